@@ -1,0 +1,86 @@
+"""EngineConfig: every knob of the engine, validated with errors that say what to change."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings. `None` means "derive a sensible value" (see `resolve`)."""
+
+    model: str | None = None               # HF folder or .gguf file; None: embedded SmolLM2
+    tokenizer: str | None = None           # defaults to the model's own
+    device: str = "auto"                   # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on CPU
+    max_model_len: int | None = None       # prompt + output tokens of one sequence
+    max_num_seqs: int = 64                 # sequences running at once
+    max_num_batched_tokens: int | None = None  # tokens one step may compute (chunked prefill budget)
+    kv_block_size: int = 16                # tokens per KV block
+    num_kv_blocks: int | None = None       # KV blocks on the device
+    gpu_memory_utilization: float = 0.85   # share of free GPU memory the engine may take
+    cpu_kv_cache_gib: float = 1.0          # KV budget when the "device" is the CPU
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False            # no CUDA graphs
+    cuda_graph_max_batch: int = 256        # largest decode batch captured in a graph
+    seed: int = 0                          # for requests without their own seed
+    stream_buffer_tokens: int = 1024       # per-request queue bound (see docs/BACKPRESSURE)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("kv_block_size", self.kv_block_size)
+        _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
+        _positive("stream_buffer_tokens", self.stream_buffer_tokens)
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if self.kv_block_size & (self.kv_block_size - 1):
+            raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError("gpu_memory_utilization must be in [0.05, 0.99], "
+                             f"got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"unknown device {self.device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments; an unknown keyword raises TypeError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(model=model, **kwargs)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {self.device!r} was asked for but CUDA is not available; "
+                               "use device='cpu'")
+        return device
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,85 @@
+"""CUDA graphs for decode steps: one graph per captured batch size, padded to fit.
+
+Padded rows write their K/V into the cache's scratch slot and attend to zero keys,
+so padding never touches real blocks. Replays read the static input buffers, so a
+step only copies its inputs into them and replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from astream.executor.inputs import AttentionMetadata, StepInputs
+from astream.executor.paged_attention import PagedAttention
+from astream.kvcache.paged_cache import PagedKVCache
+from astream.models.decoder import Decoder
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    return sizes
+
+
+@dataclass(slots=True)
+class DecodeGraphs:
+    decoder: Decoder
+    cache: PagedKVCache
+    max_batch: int
+    max_blocks_per_seq: int
+    max_context: int
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def capture(self) -> None:
+        device = self.decoder.device
+        b, m = self.max_batch, self.max_blocks_per_seq
+        self.buffers = {
+            "input_ids": torch.zeros(b, dtype=torch.int64, device=device),
+            "positions": torch.zeros(b, dtype=torch.int64, device=device),
+            "slots": torch.full((b,), self.cache.scratch_slot, dtype=torch.int64, device=device),
+            "tables": torch.zeros(b, m, dtype=torch.int32, device=device),
+            "lens": torch.zeros(b, dtype=torch.int32, device=device),
+            "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
+                                  device=device),
+        }
+        pool = torch.cuda.graph_pool_handle()
+        for size in sorted(capture_sizes(self.max_batch), reverse=True):
+            self._run_eager(size)                    # warm up kernels (Triton compiles here)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.buffers["hidden"][:size] = self._run_eager(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize(device)
+
+    def can_run(self, inputs: StepInputs) -> bool:
+        attn = inputs.attn
+        return (attn.num_prefill_tokens == 0 and inputs.num_tokens <= self.max_batch
+                and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
+
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        n = inputs.num_tokens
+        size = next(s for s in sorted(self.graphs) if s >= n)
+        buf, attn = self.buffers, inputs.attn
+        buf["input_ids"][:n].copy_(inputs.input_ids)
+        buf["positions"][:n].copy_(inputs.positions)
+        buf["slots"][:n].copy_(attn.slot_mapping)
+        buf["slots"][n:size].fill_(self.cache.scratch_slot)
+        width = attn.decode_block_tables.shape[1]
+        buf["tables"][:n, :width].copy_(attn.decode_block_tables)
+        buf["lens"][:n].copy_(attn.decode_context_lens)
+        buf["lens"][n:size].zero_()
+        self.graphs[size].replay()
+        return buf["hidden"][:n]
+
+    def _run_eager(self, size: int) -> torch.Tensor:
+        buf = self.buffers
+        meta = AttentionMetadata(
+            num_prefill_tokens=0, slot_mapping=buf["slots"][:size], prefill=None,
+            prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
+            decode_context_lens=buf["lens"][:size], decode_max_context=self.max_context)
+        attend = PagedAttention(self.cache, meta, self.decoder.config.head_dim ** -0.5)
+        return self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)

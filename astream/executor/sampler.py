@@ -1,0 +1,94 @@
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+
+Sampling draws one exponential variate per vocabulary entry and takes
+argmax(p / E): that picks token i with probability p_i, with no host sync and
+no cumulative-sum search. A seeded request draws its variates from a generator
+seeded by (seed, token index), so its tokens do not depend on what else shares
+the batch, or on preemption and recompute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from astream.scheduler import ScheduledSeq
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    temperatures: torch.Tensor          # [S] float32, 0 for greedy rows
+    top_k: torch.Tensor | None          # [S] int64, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None          # [S] float32; None if no row uses it
+    all_greedy: bool
+    seeded_rows: list[tuple[int, int]]  # (row, generator seed) for rows with a request seed
+
+
+def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: torch.device) -> SamplingBatch:
+    rows = [item.seq for item in items if item.sample]
+    temps = [seq.params.temperature for seq in rows]
+    top_k = [seq.params.top_k if seq.params.top_k > 0 else vocab_size for seq in rows]
+    top_p = [seq.params.top_p for seq in rows]
+    seeded = [(row, _mix(seq.params.seed, seq.num_output_tokens))
+              for row, seq in enumerate(rows)
+              if seq.params.seed is not None and seq.params.temperature > 0]
+    any_top_k = any(k < vocab_size for k, t in zip(top_k, temps) if t > 0)
+    any_top_p = any(p < 1.0 for p, t in zip(top_p, temps) if t > 0)
+    return SamplingBatch(
+        temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
+        top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True) if any_top_k else None,
+        top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True) if any_top_p else None,
+        all_greedy=all(t == 0 for t in temps),
+        seeded_rows=seeded)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
+    """logits [S, V] float32 -> token ids [S] int64."""
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_ids
+    temps = batch.temperatures
+    scaled = logits / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
+    if batch.top_k is not None or batch.top_p is not None:
+        scaled = _mask_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    noise = _exponential_noise(probs, batch.seeded_rows, generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temps > 0, sampled, greedy_ids)
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        drop |= ranks >= top_k.unsqueeze(1)
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= top_p.unsqueeze(1)     # the top token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_noise(probs: torch.Tensor, seeded_rows: list[tuple[int, int]],
+                       generator: torch.Generator) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, seed in seeded_rows:
+        row_gen = torch.Generator(device=probs.device)
+        row_gen.manual_seed(seed)
+        noise[row].exponential_(generator=row_gen)
+    return noise
+
+
+def _mix(seed: int, index: int) -> int:
+    """A well-spread 63-bit generator seed for token `index` of a request seeded `seed`."""
+    z = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1

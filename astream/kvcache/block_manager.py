@@ -1,0 +1,131 @@
+"""Paged KV block accounting with prefix caching. Pure Python: no tensors here.
+
+A full block is identified by a hash chained over every token before it, so two
+sequences share a block only when their whole prefixes agree. Freed blocks keep
+their hash and stay reusable until the allocator needs them for something else
+(least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from astream.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()     # kept to rule out hash collisions
+
+
+@dataclass(slots=True)
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    free: OrderedDict = field(init=False)            # block_id -> None, least recently freed first
+    cached: dict[int, int] = field(init=False)       # hash -> block_id
+    prefix_hits: int = 0                             # blocks reused from the cache, for stats
+
+    def __post_init__(self) -> None:
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ---------------------------------------------------------------
+
+    def reuse_cached_prefix(self, seq: Sequence) -> int:
+        """Attach the longest run of cached full blocks to a new sequence; return its tokens.
+
+        At least one token is always left to compute, so the last logits exist.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        prev_hash, hits = None, 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for index in range(max_blocks):
+            tokens = tuple(seq.token_slice(index * self.block_size, (index + 1) * self.block_size))
+            prev_hash = _chain(prev_hash, tokens)
+            block_id = self.cached.get(prev_hash)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            hits += 1
+        self.prefix_hits += hits
+        seq.num_cached_tokens = hits * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens
+        return seq.num_cached_tokens
+
+    def register_full_blocks(self, seq: Sequence, num_known_tokens: int) -> None:
+        """Publish blocks whose tokens are all known and whose KV is written or scheduled."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_known_tokens, seq.num_computed_tokens) // self.block_size
+        prev_hash = None
+        for index in range(full):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash is None:
+                tokens = tuple(seq.token_slice(index * self.block_size, (index + 1) * self.block_size))
+                block.hash, block.token_ids = _chain(prev_hash, tokens), tokens
+                self.cached.setdefault(block.hash, block.block_id)
+            prev_hash = block.hash
+
+    # ---- allocation -----------------------------------------------------------------
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Give seq enough blocks to hold num_tokens tokens."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need > self.num_free:
+            raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free} free")
+        for _ in range(max(need, 0)):
+            block_id = next(iter(self.free))
+            self._evict(block_id)
+            self._take(block_id)
+            seq.block_table.append(block_id)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop seq's references; blocks nobody holds return to the free list."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} released twice"
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)   # nothing to keep: reuse first
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _evict(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids = None, ()
+
+
+def _chain(prev_hash: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((prev_hash, tokens))

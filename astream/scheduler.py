@@ -1,0 +1,149 @@
+"""Admission and continuous batching. Pure Python: no torch, no device.
+
+Each step, every running sequence advances first (a decode is one token, an
+unfinished prompt gets its next chunk), then waiting sequences are admitted
+while the token budget, the sequence limit and the free KV blocks allow. When a
+running sequence needs a block and none is free, the most recently admitted
+sequence is preempted: its blocks are released and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from astream.kvcache.block_manager import BlockManager
+from astream.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at "
+                             f"least max_num_seqs ({self.max_num_seqs}) so every running "
+                             "sequence can decode each step")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start: int          # position of the first token computed this step
+    num_tokens: int     # tokens computed this step
+    sample: bool        # the chunk reaches the sequence's last token: sample the next one
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    step: int
+    items: list[ScheduledSeq]            # chunks of more than one token first, then single tokens
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items)
+
+
+@dataclass(slots=True)
+class Scheduler:
+    config: SchedulerConfig
+    blocks: BlockManager
+    waiting: deque = field(default_factory=deque)
+    running: list[Sequence] = field(default_factory=list)
+    steps: int = 0
+    preemptions: int = 0
+
+    def add(self, seq: Sequence) -> None:
+        if seq.num_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {seq.num_tokens} tokens but max_model_len is "
+                             f"{self.config.max_model_len} (prompt plus at least one new token "
+                             "must fit)")
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq (stopped, length, aborted or failed) and return its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def schedule(self) -> ScheduledBatch | None:
+        budget = self.config.max_num_batched_tokens
+        items: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                index += 1
+                continue
+            if not self._make_room(seq, n, preempted):
+                break                      # seq itself was preempted; it was the last one
+            items.append(self._take(seq, n))
+            budget -= n
+            index += 1
+        if not preempted:
+            budget = self._admit(budget, items)
+        if not items:
+            return None
+        self.steps += 1
+        items.sort(key=lambda item: item.num_tokens == 1)
+        return ScheduledBatch(self.steps, items, preempted)
+
+    def _make_room(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        target = seq.num_computed_tokens + n
+        while not self.blocks.can_grow(seq, target):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, target)
+        return True
+
+    def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
+        watermark = max(1, self.blocks.num_blocks // 100)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending:
+                break                      # preempted while a sampled id was in flight
+            self.blocks.reuse_cached_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            need = self.blocks.blocks_needed(target) - len(seq.block_table)
+            if need > self.blocks.num_free - (watermark if self.running else 0):
+                self.blocks.release(seq)
+                break
+            self.blocks.grow(seq, target)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            items.append(self._take(seq, n))
+            budget -= n
+        return budget
+
+    def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += n
+        self.blocks.register_full_blocks(seq, seq.num_tokens - seq.num_pending)
+        return ScheduledSeq(seq, start, n, sample=seq.num_computed_tokens == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,69 @@
+"""Request state as the scheduler and block manager see it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from astream.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and where their KV lives.
+
+    `num_pending` counts sampled tokens whose ids are still on their way to the
+    host: the device already knows them, so the next step can be scheduled
+    before the host does (see executor.inputs).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int                                    # admission order, lower first
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0                    # tokens whose KV is written or scheduled
+    num_cached_tokens: int = 0                      # prompt tokens served by the prefix cache
+    num_pending: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    # Host-side tallies for the pipeline: which step sampled the pending token, and
+    # the row it occupies in that step's sampled-ids tensor.
+    pending_row: int = -1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the sequence holds, including sampled ones the host has not seen yet."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def known_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Known token ids in [start, end) without building the whole list."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]

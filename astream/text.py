@@ -1,0 +1,108 @@
+"""Incremental detokenization and stop conditions for one request.
+
+Text is released only in whole characters: while the newest tokens end in an
+incomplete UTF-8 sequence the decoder shows U+FFFD, and nothing is emitted until
+the character completes. With stop strings, text that could still grow into a
+stop string is held back, so a caller never sees part of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from astream.sampling import SamplingParams
+
+_CONTEXT_TOKENS = 4     # prompt tokens decoded before the output, for correct leading spaces
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    tokenizer: object
+    ids: list[int]
+    prefix_offset: int
+    read_offset: int
+
+    @classmethod
+    def start(cls, tokenizer, prompt_ids: list[int]) -> "IncrementalDetokenizer":
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        return cls(tokenizer, context, 0, len(context))
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """Complete text still held back; a trailing incomplete character is dropped."""
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:]).rstrip("\ufffd")
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before):] if len(after) > len(before) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@dataclass(slots=True)
+class RequestText:
+    """Turns one request's token ids into released text and a finish reason."""
+
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    eos_ids: frozenset[int]
+    text: str = ""               # all decoded text, held-back tail included
+    released: int = 0            # characters of `text` already handed out
+    finished: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+
+    def append(self, token_id: int, reached_max_len: bool) -> str:
+        """Add one token; return newly released text. Sets `finished` when it ends."""
+        self.token_ids.append(token_id)
+        params = self.params
+        if token_id in params.stop_token_ids or (token_id in self.eos_ids and not params.ignore_eos):
+            self.finished = "stop"
+            return self._release(len(self.text))
+        self.text += self.detokenizer.push(token_id)
+        stop_at = self._find_stop()
+        if stop_at is not None:
+            self.text = self.text[:stop_at]
+            self.finished = "stop"
+            return self._release(stop_at)
+        if len(self.token_ids) >= params.max_tokens or reached_max_len:
+            self.finished = "length"
+            self.text += self.detokenizer.flush()
+            return self._release(len(self.text))
+        return self._release(len(self.text) - self._holdback())
+
+    def finish_early(self, reason: str) -> str:
+        """End the request from outside (abort, error): release what is complete."""
+        self.finished = reason
+        return self._release(len(self.text))
+
+    def _find_stop(self) -> int | None:
+        if not self.params.stop:
+            return None
+        # A stop string can only end in the newly decoded text or span into it.
+        window_start = max(0, self.released - max(len(s) for s in self.params.stop))
+        hits = [i for i in (self.text.find(s, window_start) for s in self.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _holdback(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.params.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, upto: int) -> str:
+        upto = max(upto, self.released)
+        chunk = self.text[self.released:upto]
+        self.released = upto
+        return chunk
