@@ -1,9 +1,10 @@
 """astream: asyncio streaming LLM inference for long prompts on one GPU with little memory."""
 
 from astream.config import EngineConfig
+from astream.engine import Engine
 from astream.llm import LLM
 from astream.outputs import Completion, StreamToken
 from astream.sampling import SamplingParams
 
-__all__ = ["Completion", "EngineConfig", "LLM", "SamplingParams", "StreamToken"]
+__all__ = ["Completion", "Engine", "EngineConfig", "LLM", "SamplingParams", "StreamToken"]
 __version__ = "0.1.0"

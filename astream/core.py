@@ -14,7 +14,7 @@ import torch
 
 from astream.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
-from astream.executor.runner import ModelRunner, StepOutput
+from astream.executor.runner import ModelRunner, PreparedStep, StepOutput
 from astream.kvcache.block_manager import BlockManager
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.kvcache.sizing import CachePlan, check_max_model_len, plan_cache
@@ -30,15 +30,18 @@ from astream.tokenization import Prompt, prompt_to_ids, stop_token_ids
 
 log = logging.getLogger("astream")
 
+_MAX_FAULTS = 4          # a sequence in this many failed steps fails even in company
+
 
 @dataclass(slots=True)
 class TokenEvent:
     """One sampled token after detokenization and stop checks."""
 
     seq: Sequence
-    token_id: int
+    token_id: int                       # -1 for the final event of an aborted or failed request
     text: str
     finish_reason: str | None
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -98,52 +101,86 @@ class EngineCore:
         self.texts[request_id] = RequestText(params, detok, self.eos_ids)
         return seq
 
-    def finish(self, request_id: str, reason: str) -> TokenEvent | None:
+    def finish(self, request_id: str, reason: str, error: str | None = None) -> TokenEvent | None:
         """End a request from outside (abort, error); returns its last event, if it was live."""
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return None
         self.scheduler.finish(seq, reason)
         text = self.texts.pop(request_id)
-        return TokenEvent(seq, -1, text.finish_early(reason), reason)
+        return TokenEvent(seq, -1, text.finish_early(reason), reason, error)
+
+    def fail_step(self, step: PreparedStep, exc: BaseException) -> list[TokenEvent]:
+        """A step raised. Alone, its sequence failed; in company, each one retries alone."""
+        for seq in step.sampled:
+            seq.num_pending -= 1
+        seqs = [item.seq for item in step.batch.items if not item.seq.is_finished]
+        message = f"{type(exc).__name__}: {exc}"
+        events = []
+        for seq in seqs:
+            seq.faults += 1
+            if len(seqs) == 1 or seq.faults >= _MAX_FAULTS:
+                log.warning("request %s failed in a step: %s", seq.request_id, message)
+                events.append(self.finish(seq.request_id, "error", message))
+            else:
+                self.scheduler.preempt(seq)
+                seq.isolate = True
+        return [e for e in events if e is not None]
 
     # ---- steps ----------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()
 
-    def execute(self, batch: ScheduledBatch, previous: StepOutput | None = None) -> StepOutput:
-        output = self.runner.execute(batch, previous)
-        for row, seq in enumerate(output.sampled):
-            seq.num_pending += 1
-            seq.pending_row = row
-        return output
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep | None:
+        """Build the step's inputs; from here its sampled tokens count as pending."""
+        step = self.runner.prepare(batch)
+        if step is not None:
+            for row, seq in enumerate(step.sampled):
+                seq.num_pending += 1
+                seq.pending_row = row
+        return step
+
+    def launch(self, step: PreparedStep, previous: StepOutput | None = None) -> StepOutput:
+        return self.runner.launch(step, previous)
 
     def process(self, output: StepOutput) -> list[TokenEvent]:
         """Consume a finished step's sampled ids (its `ready` event must have completed)."""
+        blocks = self.scheduler.blocks
+        for item in output.batch.items:
+            if not item.seq.is_finished:       # this step's KV is written: cacheable now
+                blocks.register_full_blocks(item.seq, item.start + item.num_tokens)
         events = []
         for seq, token_id in zip(output.sampled, output.host_ids.tolist()):
             seq.num_pending -= 1
             if seq.is_finished:
-                continue                   # ended while this step was in flight
-            seq.output_token_ids.append(token_id)
-            text = self.texts[seq.request_id]
-            at_limit = seq.num_tokens >= self.plan.max_model_len
-            delta = text.append(token_id, at_limit)
-            self.scheduler.blocks.register_full_blocks(seq, seq.num_tokens - seq.num_pending)
-            if text.finished:
-                self.sequences.pop(seq.request_id, None)
-                self.texts.pop(seq.request_id, None)
-                self.scheduler.finish(seq, text.finished)
-            events.append(TokenEvent(seq, token_id, delta, text.finished))
+                continue                       # ended while this step was in flight
+            try:
+                events.append(self._append_token(seq, token_id))
+            except Exception as exc:           # a detokenizer or stop-check fault: this request only
+                log.warning("request %s failed in output processing: %r", seq.request_id, exc)
+                event = self.finish(seq.request_id, "error", f"{type(exc).__name__}: {exc}")
+                if event is not None:
+                    events.append(event)
         return events
+
+    def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent:
+        seq.output_token_ids.append(token_id)
+        text = self.texts[seq.request_id]
+        delta = text.append(token_id, seq.num_tokens >= self.plan.max_model_len)
+        if text.finished:
+            self.sequences.pop(seq.request_id, None)
+            self.texts.pop(seq.request_id, None)
+            self.scheduler.finish(seq, text.finished)
+        return TokenEvent(seq, token_id, delta, text.finished)
 
     def step(self) -> list[TokenEvent]:
         """Schedule, run and process one step synchronously."""
         batch = self.schedule()
-        if batch is None:
+        step = self.prepare(batch) if batch is not None else None
+        if step is None:
             return []
-        output = self.execute(batch)
+        output = self.launch(step)
         output.ready.synchronize()
         return self.process(output)
 

@@ -1,12 +1,12 @@
-"""LLM: the synchronous offline API (batch generate)."""
+"""LLM: the synchronous offline API, a thin facade over the async Engine."""
 
 from __future__ import annotations
 
-import itertools
+import anyio
 
-from astream.config import EngineConfig
-from astream.core import EngineCore
+from astream.engine import Engine
 from astream.outputs import Completion
+from astream.runtime.loop_thread import LoopThread
 from astream.sampling import SamplingParams
 from astream.tokenization import Prompt
 
@@ -17,15 +17,32 @@ class LLM:
         llm = LLM()                                    # embedded SmolLM2-135M-Instruct
         llm = LLM("path/to/model", device="cpu", dtype="float32", num_kv_blocks=64)
         outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
+
+    The engine runs on an event loop in a background thread; `generate` blocks
+    until every prompt is done.
     """
 
     def __init__(self, model: str | None = None, **config) -> None:
-        self.core = EngineCore.create(EngineConfig.from_kwargs(model, **config))
-        self._ids = itertools.count()
+        self._engine = Engine(model, **config)
+        self._loop = LoopThread()
+        self._engine_cm = self._loop.portal.wrap_async_context_manager(self._engine)
+        try:
+            self._engine_cm.__enter__()
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def core(self):
+        return self._engine.core
 
     @property
     def tokenizer(self):
-        return self.core.tokenizer
+        return self._engine.core.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
@@ -33,32 +50,54 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        token_lists = [self.core.tokenize(p) for p in prompts]   # all errors before any work
-        results: dict[str, Completion] = {}
-        for ids, sp in zip(token_lists, params_list):
-            rid = f"llm-{next(self._ids)}"
-            self.core.add_request(rid, ids, sp)
-            results[rid] = Completion(rid, ids)
-        while self.core.scheduler.has_work():
-            for event in self.core.step():
-                out = results[event.seq.request_id]
-                out.token_ids.append(event.token_id)
-                out.text += event.text
-                out.finish_reason = event.finish_reason
-        return list(results.values())
+        return self._loop.call(self._generate_all, prompts, params_list)
+
+    async def _generate_all(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Completion]:
+        core = self._engine.core
+        token_lists = [core.tokenize(p) for p in prompts]          # every error before any work
+        for ids in token_lists:
+            core.scheduler.check_prompt_length(len(ids))
+        results: list[Completion | None] = [None] * len(prompts)
+
+        async def run(index: int) -> None:
+            results[index] = await self._engine.generate(token_lists[index], params[index])
+
+        async with anyio.create_task_group() as group:
+            for index in range(len(prompts)):
+                group.start_soon(run, index)
+        return results
 
     def stats(self) -> dict:
-        return self.core.stats()
+        return self._engine.stats()
+
+    def close(self) -> None:
+        """Stop the engine and free its memory. Also runs when the LLM is garbage-collected."""
+        if self._loop is not None:
+            try:
+                self._engine_cm.__exit__(None, None, None)
+            finally:
+                self._loop.stop()
+                self._loop = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     """A single prompt (string, token ids or one chat) becomes a list of one."""
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(p, int) for p in prompts):
-        return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(p, dict) for p in prompts):
-        return [prompts]
-    if isinstance(prompts, list) and not prompts:
+    if not isinstance(prompts, list) or not prompts:
         raise ValueError("no prompts given")
+    if all(isinstance(p, int) for p in prompts) or all(isinstance(p, dict) for p in prompts):
+        return [prompts]
     return list(prompts)

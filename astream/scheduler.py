@@ -58,11 +58,14 @@ class Scheduler:
     preemptions: int = 0
 
     def add(self, seq: Sequence) -> None:
-        if seq.num_tokens >= self.config.max_model_len:
-            raise ValueError(f"prompt has {seq.num_tokens} tokens but max_model_len is "
+        self.check_prompt_length(seq.num_tokens)
+        self.waiting.append(seq)
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        if num_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {num_tokens} tokens but max_model_len is "
                              f"{self.config.max_model_len} (prompt plus at least one new token "
                              "must fit)")
-        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -79,6 +82,10 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
     def schedule(self) -> ScheduledBatch | None:
+        if self.waiting and self.waiting[0].isolate:
+            batch = self._schedule_isolated()
+            if batch is not None:
+                return batch
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
@@ -86,7 +93,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or seq.paused:
                 index += 1
                 continue
             if not self._make_room(seq, n, preempted):
@@ -102,23 +109,33 @@ class Scheduler:
         items.sort(key=lambda item: item.num_tokens == 1)
         return ScheduledBatch(self.steps, items, preempted)
 
+    def _schedule_isolated(self) -> ScheduledBatch | None:
+        """A sequence from a failed step runs alone, so a repeat failure is its own."""
+        items: list[ScheduledSeq] = []
+        self._admit(self.config.max_num_batched_tokens, items, isolated=True)
+        if not items:
+            return None
+        items[0].seq.isolate = False
+        self.steps += 1
+        return ScheduledBatch(self.steps, items)
+
     def _make_room(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
         target = seq.num_computed_tokens + n
         while not self.blocks.can_grow(seq, target):
             victim = self.running[-1]
-            self._preempt(victim)
+            self.preempt(victim)
             preempted.append(victim)
             if victim is seq:
                 return False
         self.blocks.grow(seq, target)
         return True
 
-    def _admit(self, budget: int, items: list[ScheduledSeq]) -> int:
+    def _admit(self, budget: int, items: list[ScheduledSeq], isolated: bool = False) -> int:
         watermark = max(1, self.blocks.num_blocks // 100)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.num_pending:
-                break                      # preempted while a sampled id was in flight
+            if seq.num_pending or seq.isolate != isolated or (isolated and items):
+                break         # a sampled id still in flight, or a sequence that must run alone
             self.blocks.reuse_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             target = seq.num_computed_tokens + n
@@ -137,10 +154,12 @@ class Scheduler:
     def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += n
-        self.blocks.register_full_blocks(seq, seq.num_tokens - seq.num_pending)
         return ScheduledSeq(seq, start, n, sample=seq.num_computed_tokens == seq.num_tokens)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Release seq's blocks and send it back to the front of the queue for recompute."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.status = SequenceStatus.WAITING

@@ -35,6 +35,9 @@ class Sequence:
     num_pending: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
+    paused: bool = False                            # its consumer fell behind (backpressure)
+    isolate: bool = False                           # was in a failed step: run it alone next
+    faults: int = 0                                 # failed steps it took part in
     # Host-side tallies for the pipeline: which step sampled the pending token, and
     # the row it occupies in that step's sampled-ids tensor.
     pending_row: int = -1

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from astream import LLM, SamplingParams
-from astream.executor.inputs import build_inputs
+from astream.ops.attention import VarlenMeta, varlen_attention
 from tests.conftest import PROMPTS
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32)
@@ -21,16 +21,19 @@ def hf_greedy(model, prompt_ids: list[int], n: int, eos: set[int]) -> list[int]:
 
 
 def prefill_logits(llm: LLM, prompt_ids: list[int]) -> torch.Tensor:
-    """Logits at every prompt position through the engine's own step inputs and attention."""
-    core = llm.core
-    core.add_request("logits-probe", prompt_ids, SamplingParams(max_tokens=1))
-    batch = core.schedule()
-    inputs = build_inputs(batch, core.plan.block_size, core.runtime.device)
+    """Logits at every prompt position: the engine's decoder with its varlen attention op."""
+    decoder = llm.core.model.decoder
+    n = len(prompt_ids)
+    meta = VarlenMeta(torch.tensor([0, n], dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+                      n, n, [0, n], [0, n])
+    scale = decoder.config.head_dim ** -0.5
+
+    def attend(layer, q, k, v):
+        return varlen_attention(q, k, v, meta, causal=True, scale=scale)[0]
+
     with torch.inference_mode():
-        hidden = core.runner._forward(inputs)
-        logits = core.model.decoder.logits(hidden)
-    core.finish("logits-probe", "abort")
-    return logits
+        hidden = decoder.forward(torch.tensor(prompt_ids), torch.arange(n), attend)
+        return decoder.logits(hidden)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.inputs import StepInputs, build_inputs
 from astream.executor.paged_attention import PagedAttention
-from astream.executor.sampler import build_sampling_batch, sample
+from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.runtime.device import DeviceRuntime
@@ -23,9 +23,19 @@ from astream.sequence import Sequence
 
 
 @dataclass(slots=True)
+class PreparedStep:
+    """A batch with its inputs already on the device; built on the event-loop thread."""
+
+    batch: ScheduledBatch
+    inputs: StepInputs
+    sampling: SamplingBatch
+    sampled: list[Sequence]             # sequences that get a token, in row order
+
+
+@dataclass(slots=True)
 class StepOutput:
     batch: ScheduledBatch
-    sampled: list[Sequence]             # sequences that got a token, in row order
+    sampled: list[Sequence]
     token_ids: torch.Tensor             # [S] int64 on the device
     host_ids: torch.Tensor              # [S] int64 on the host, valid once `ready` completes
     ready: object                       # a runtime event
@@ -43,21 +53,29 @@ class ModelRunner:
     def scale(self) -> float:
         return self.decoder.config.head_dim ** -0.5
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, previous: StepOutput | None = None) -> StepOutput:
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep | None:
+        """Snapshot the batch into device tensors. Sequences that ended since scheduling drop out."""
+        batch.items = [item for item in batch.items if not item.seq.is_finished]
+        if not batch.items:
+            return None
         device = self.runtime.device
         inputs = build_inputs(batch, self.cache.block_size, device)
+        sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
+        return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample])
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep, previous: StepOutput | None) -> StepOutput:
+        """Enqueue the forward pass, the sampler and the readback of the sampled ids."""
+        inputs = step.inputs
         if inputs.pending_dst is not None:
             if previous is None:
                 raise RuntimeError("a batch with pending tokens needs the previous step's output")
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
         hidden = self._forward(inputs)
         logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
-        sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
-        token_ids = sample(logits, sampling, self.generator)
+        token_ids = sample(logits, step.sampling, self.generator)
         host_ids, ready = self.runtime.to_host(token_ids)
-        sampled = [item.seq for item in batch.items if item.sample]
-        return StepOutput(batch, sampled, token_ids, host_ids, ready)
+        return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs):

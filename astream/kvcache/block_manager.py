@@ -70,11 +70,16 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_cached_tokens
         return seq.num_cached_tokens
 
-    def register_full_blocks(self, seq: Sequence, num_known_tokens: int) -> None:
-        """Publish blocks whose tokens are all known and whose KV is written or scheduled."""
+    def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
+        """Publish the full blocks among seq's first num_written tokens (KV on the device).
+
+        Only blocks whose KV a finished step wrote may be published: a block that is
+        merely scheduled could be abandoned (abort) before it is ever computed.
+        """
         if not self.enable_prefix_caching:
             return
-        full = min(num_known_tokens, seq.num_computed_tokens) // self.block_size
+        known = seq.num_tokens - seq.num_pending
+        full = min(num_written, known, len(seq.block_table) * self.block_size) // self.block_size
         prev_hash = None
         for index in range(full):
             block = self.blocks[seq.block_table[index]]

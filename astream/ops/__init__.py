@@ -1,0 +1,1 @@
+"""astream.ops"""

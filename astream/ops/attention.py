@@ -1,0 +1,139 @@
+"""Public attention entry points; each picks the best backend for the tensors' device.
+
+Every call returns (out, lse): lse is the natural-log log-sum-exp of the scaled
+scores per (token, head) in float32, so results over disjoint key sets can be
+combined exactly with `merge_attention`. Rows that see no key return out = 0 and
+lse = -inf on every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from astream.ops import attention_ref, flash
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(slots=True)
+class VarlenMeta:
+    """Sequence layout of one packed batch; built once per batch, shared by all layers.
+
+    Causal attention with seqlen_q < seqlen_k is bottom-right aligned: query i of
+    a sequence sees keys j <= i + (len_k - len_q).
+    """
+
+    cu_seqlens_q: Tensor  # [S+1] int32 on the device
+    cu_seqlens_k: Tensor  # [S+1] int32 on the device
+    max_seqlen_q: int
+    max_seqlen_k: int
+    host_cu_seqlens_q: list[int]  # same offsets on the host; never .tolist() device tensors
+    host_cu_seqlens_k: list[int]
+
+
+def select_backend(device: torch.device | str) -> str:
+    """Varlen backend for fp16/bf16 on `device`: "flash_attn" | "torch_flash" | "reference".
+
+    Float32 inputs and unsupported head dims always use "reference"
+    (see `varlen_backend_for`).
+    """
+    device = torch.device(device)
+    if flash.flash_attn_available(device):
+        return "flash_attn"
+    if flash.torch_flash_available(device):
+        return "torch_flash"
+    return "reference"
+
+
+def varlen_backend_for(q: Tensor) -> str:
+    """The backend `varlen_attention` will actually use for this query tensor."""
+    if q.dtype not in HALF_DTYPES or not flash.head_dim_supported(q.shape[-1]):
+        return "reference"
+    return select_backend(q.device)
+
+
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta, *, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """q [Tq, H, D], k/v [Tk, KVH, D] -> out [Tq, H, D] (q.dtype), lse [Tq, H] float32.
+
+    On the flash backends lse may be a transposed (non-contiguous) view.
+    """
+    backend = varlen_backend_for(q)
+    if backend == "flash_attn":
+        return flash.flash_attn_varlen(q, k, v, meta, causal=causal, scale=scale)
+    if backend == "torch_flash":
+        return flash.torch_flash_varlen(q, k, v, meta, causal=causal, scale=scale)
+    return attention_ref.varlen_attention_ref(q, k, v, meta, causal=causal, scale=scale)
+
+
+@functools.cache
+def _triton_decode_importable() -> bool:
+    try:
+        import astream.ops.triton_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_decode_backend(device: torch.device | str) -> str:
+    """Paged-decode backend for `device`: "triton" | "reference"."""
+    device = torch.device(device)
+    if device.type == "cuda" and _triton_decode_importable():
+        return "triton"
+    return "reference"
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    *,
+    scale: float,
+    max_context_len: int,
+) -> tuple[Tensor, Tensor]:
+    """One query token per sequence over a paged cache -> out [B, H, D], lse [B, H].
+
+    q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
+    int32; context_lens [B] int32 (0 = no keys). On CUDA, max_context_len only sizes
+    the split count (keep it fixed per captured graph); the reference path needs
+    it >= every context length.
+    """
+    if select_decode_backend(q.device) == "triton":
+        from astream.ops import triton_decode
+
+        return triton_decode.paged_decode_triton(
+            q, k_cache, v_cache, block_tables, context_lens,
+            scale=scale, max_context_len=max_context_len,
+        )
+    return attention_ref.paged_decode_attention_ref(
+        q, k_cache, v_cache, block_tables, context_lens,
+        scale=scale, max_context_len=max_context_len,
+    )
+
+
+def merge_attention(
+    out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Exact merge of two partial results over disjoint key sets.
+
+    out [..., H, D], lse [..., H]; lse = -inf marks an empty side. Returns out in
+    out_a.dtype and lse in float32.
+    """
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    peak = torch.maximum(lse_a, lse_b)
+    # Both sides empty -> peak is -inf; shifting by 0 keeps the weights at exp(-inf) = 0.
+    peak = torch.where(torch.isneginf(peak), torch.zeros_like(peak), peak)
+    w_a = torch.exp(lse_a - peak)
+    w_b = torch.exp(lse_b - peak)
+    total = w_a + w_b
+    denom = torch.where(total > 0, total, torch.ones_like(total))
+    out = (out_a.float() * (w_a / denom).unsqueeze(-1)
+           + out_b.float() * (w_b / denom).unsqueeze(-1))
+    return out.to(out_a.dtype), peak + torch.log(total)

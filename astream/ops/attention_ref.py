@@ -1,0 +1,160 @@
+"""Torch reference attention: the CPU production path and the test oracle.
+
+Everything is computed in float32. GQA is handled by viewing the query heads of
+one KV head as extra rows of a batched matmul, so K/V are never copied per head.
+Rows that see no key get out = 0 and lse = -inf, which `merge_attention` treats
+as an empty partial result.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from astream.ops.attention import VarlenMeta
+
+# Upper bound on score-matrix elements materialised at once (~256 MB of fp32).
+MAX_SCORE_ELEMENTS = 64 * 1024 * 1024
+
+
+def _softmax_rows(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Row softmax and lse of float32 scores; fully masked rows give (0, -inf)."""
+    lse = torch.logsumexp(scores, dim=-1)
+    # A row of all -inf has lse -inf; subtracting 0 instead keeps exp() at 0, not NaN.
+    safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.exp(scores - safe.unsqueeze(-1)), lse
+
+
+def _grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Attention of q [L, H, D] over k/v [S, KVH, D] (float32), mask [L, S] True=visible.
+
+    Returns out [L, H, D] and lse [L, H].
+    """
+    n_q, n_heads, dim = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
+    # [KVH, G*L, D]: query heads h = kvh*G + g share kv head kvh.
+    qg = q.permute(1, 0, 2).reshape(n_kv, group * n_q, dim)
+    scores = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)
+    if mask is not None:
+        scores = scores.view(n_kv, group, n_q, -1)
+        scores.masked_fill_(~mask, float("-inf"))
+        scores = scores.view(n_kv, group * n_q, -1)
+    probs, lse = _softmax_rows(scores)
+    out = torch.matmul(probs, v.permute(1, 0, 2))
+    out = out.view(n_heads, n_q, dim).permute(1, 0, 2)
+    return out, lse.view(n_heads, n_q).t()
+
+
+def _row_chunk(n_heads: int, n_keys: int) -> int:
+    return max(1, MAX_SCORE_ELEMENTS // max(1, n_heads * n_keys))
+
+
+def _sequence_attention(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One sequence, float32 inputs; query rows chunked to bound memory."""
+    n_q, n_heads, _ = q.shape
+    n_k = k.shape[0]
+    offset = n_k - n_q  # bottom-right causal alignment
+    outs, lses = [], []
+    step = _row_chunk(n_heads, n_k)
+    for start in range(0, n_q, step):
+        stop = min(start + step, n_q)
+        keys_end = n_k if not causal else max(0, min(n_k, stop + offset))
+        mask = None
+        if causal:
+            rows = torch.arange(start, stop, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(keys_end, device=q.device).unsqueeze(0) <= rows
+        out, lse = _grouped_attention(
+            q[start:stop], k[:keys_end], v[:keys_end], mask, scale
+        )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def varlen_attention_ref(
+    q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta, *, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Packed variable-length attention; see `astream.ops.attention.varlen_attention`."""
+    n_tokens, n_heads, dim = q.shape
+    out = torch.zeros(n_tokens, n_heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.full((n_tokens, n_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    cq, ck = meta.host_cu_seqlens_q, meta.host_cu_seqlens_k
+    for seq in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[seq], cq[seq + 1], ck[seq], ck[seq + 1]
+        if q1 == q0 or k1 == k0:
+            continue  # no queries, or no keys: out stays 0, lse stays -inf
+        o, s = _sequence_attention(
+            q[q0:q1].float(), k[k0:k1].float(), v[k0:k1].float(), causal, scale
+        )
+        out[q0:q1] = o.to(q.dtype)
+        lse[q0:q1] = s
+    return out, lse
+
+
+def _gather_context(cache: Tensor, tables: Tensor) -> Tensor:
+    """[num_blocks, bs, KVH, D] gathered by tables [B, n] -> [B, n*bs, KVH, D] float32."""
+    n_batch, n_blocks = tables.shape
+    gathered = cache[tables.reshape(-1)].float()
+    return gathered.view(n_batch, n_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def _decode_chunk(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Decode for a slice of the batch; tables already clamped to valid block ids."""
+    n_batch, n_heads, dim = q.shape
+    n_kv = k_cache.shape[2]
+    keys = _gather_context(k_cache, tables)  # [B, L, KVH, D]
+    values = _gather_context(v_cache, tables)
+    qg = q.float().view(n_batch, n_kv, n_heads // n_kv, dim)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, L]
+    positions = torch.arange(keys.shape[1], device=q.device)
+    hidden = positions.view(1, -1) >= lens.view(-1, 1).long()
+    scores.masked_fill_(hidden.view(n_batch, 1, 1, -1), float("-inf"))
+    probs, lse = _softmax_rows(scores)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, KVH, G, D]
+    return out.reshape(n_batch, n_heads, dim), lse.reshape(n_batch, n_heads)
+
+
+def paged_decode_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: Tensor,
+    *,
+    scale: float,
+    max_context_len: int,
+) -> tuple[Tensor, Tensor]:
+    """One query token per sequence over a paged KV cache.
+
+    Gathers ceil(max_context_len / block_size) blocks per sequence, so
+    max_context_len must be >= every context_lens entry on this path.
+    """
+    n_batch, n_heads, dim = q.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    n_blocks = min(-(-max_context_len // block_size), block_tables.shape[1])
+    out = torch.zeros(n_batch, n_heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.full((n_batch, n_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    if n_blocks <= 0 or n_batch == 0:
+        return out, lse
+    # Entries past a sequence's context may be garbage; clamp so the gather stays in bounds.
+    tables = block_tables[:, :n_blocks].long().clamp(0, num_blocks - 1)
+    per_row = n_blocks * block_size * max(n_heads, k_cache.shape[2] * dim * 2)
+    step = max(1, MAX_SCORE_ELEMENTS // per_row)
+    for b0 in range(0, n_batch, step):
+        b1 = min(b0 + step, n_batch)
+        o, s = _decode_chunk(
+            q[b0:b1], k_cache, v_cache, tables[b0:b1], context_lens[b0:b1], scale
+        )
+        out[b0:b1] = o.to(q.dtype)
+        lse[b0:b1] = s
+    return out, lse
