@@ -23,7 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None       # prompt + output tokens of one sequence
     max_num_seqs: int = 64                 # sequences running at once
     max_num_batched_tokens: int | None = None  # tokens one step may compute (chunked prefill budget)
-    kv_block_size: int = 16                # tokens per KV block
+    kv_block_size: int | None = None       # tokens per KV block; None: 16, or 256 with offload
     num_kv_blocks: int | None = None       # KV blocks on the device
     gpu_memory_utilization: float = 0.85   # share of free GPU memory the engine may take
     cpu_kv_cache_gib: float = 1.0          # KV budget when the "device" is the CPU
@@ -31,21 +31,30 @@ class EngineConfig:
     enforce_eager: bool = False            # no CUDA graphs
     cuda_graph_max_batch: int = 256        # largest decode batch captured in a graph
     seed: int = 0                          # for requests without their own seed
-    stream_buffer_tokens: int = 1024       # per-request queue bound (see docs/BACKPRESSURE)
+    stream_buffer_tokens: int = 1024       # unread tokens before a request pauses (docs/ENGINE.md)
+    # KV offload: the cache lives in (pinned) host memory behind a small GPU ring.
+    offload: bool = False
+    offload_host_gib: float | None = None  # host KV pool; None: what max_num_seqs full sequences need
+    offload_prefetch_layers: int = 2       # ring loads run this many layers ahead of compute
+    offload_slot_tokens: int | None = None # KV tokens one ring slot holds; None: sized from GPU memory
+    sparse_policy: str = "full"            # which KV blocks attention reads (policies/)
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("kv_block_size", self.kv_block_size)
+        _positive("offload_prefetch_layers", self.offload_prefetch_layers)
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("stream_buffer_tokens", self.stream_buffer_tokens)
-        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_block_size",
+                     "offload_slot_tokens"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
-        if self.kv_block_size & (self.kv_block_size - 1):
+        if self.offload_host_gib is not None and self.offload_host_gib <= 0:
+            raise ValueError(f"offload_host_gib must be > 0, got {self.offload_host_gib}")
+        if self.kv_block_size and self.kv_block_size & (self.kv_block_size - 1):
             raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError("gpu_memory_utilization must be in [0.05, 0.99], "
@@ -65,6 +74,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
         return cls(model=model, **kwargs)
+
+    @property
+    def block_size(self) -> int:
+        if self.kv_block_size is not None:
+            return self.kv_block_size
+        return 256 if self.offload else 16
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

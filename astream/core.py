@@ -15,12 +15,15 @@ import torch
 from astream.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.runner import ModelRunner, PreparedStep, StepOutput
+from astream.executor.offload_plan import TailSlots
 from astream.kvcache.block_manager import BlockManager
+from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.kvcache.sizing import CachePlan, check_max_model_len, plan_cache
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
+from astream.policies import make_policy
 from astream.runtime.device import DeviceRuntime
 from astream.sampling import SamplingParams
 from astream.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -66,20 +69,26 @@ class EngineCore:
         check_max_model_len(config, model_config)          # fail before the slow part
         model = load_model(checkpoint, dtype, device, progress)
         plan = plan_cache(config, model_config, dtype, device)    # sized after the weights
-        cache = PagedKVCache.allocate(model.decoder.config, plan.num_blocks, plan.block_size, dtype, device)
         scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len),
+            SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
+                            align_chunks_to=plan.block_size if config.offload else 1),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         runtime = DeviceRuntime(device)
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
-        runner = ModelRunner(model.decoder, cache, runtime, generator)
-        if device.type == "cuda" and not config.enforce_eager:
-            runner.graphs = _capture_graphs(config, plan, model, cache)
+        runner = ModelRunner(model.decoder, None, runtime, generator, plan.block_size)
+        if config.offload:
+            runner.offload = _offload_engine(config, plan, model_config, dtype, runtime)
+            runner.tails = TailSlots(config.max_num_seqs)
+        else:
+            runner.cache = PagedKVCache.allocate(model_config, plan.num_blocks, plan.block_size,
+                                                 dtype, device)
+            if device.type == "cuda" and not config.enforce_eager:
+                runner.graphs = _capture_graphs(config, plan, model, runner.cache)
         eos = stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids)
-        log.info("astream: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, attention %s",
-                 path.name, device, dtype, plan.num_blocks, plan.block_size, plan.max_model_len,
-                 select_backend(device))
+        log.info("astream: %s on %s (%s), %d KV blocks of %d tokens%s, max_model_len %d, attention %s",
+                 path.name, device, dtype, plan.num_blocks, plan.block_size,
+                 " in host memory" if config.offload else "", plan.max_model_len, select_backend(device))
         return cls(config, plan, model, runtime, scheduler, runner, frozenset(eos))
 
     @property
@@ -190,7 +199,15 @@ class EngineCore:
                 "kv_block_size": blocks.block_size, "prefix_cache_hits": blocks.prefix_hits,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "steps": self.scheduler.steps, "preemptions": self.scheduler.preemptions,
-                "max_model_len": self.plan.max_model_len}
+                "max_model_len": self.plan.max_model_len, "offload": self.config.offload}
+
+
+def _offload_engine(config: EngineConfig, plan: CachePlan, model: ModelConfig, dtype: torch.dtype,
+                    runtime: DeviceRuntime) -> OffloadEngine:
+    sizes = plan.offload
+    return OffloadEngine.allocate(model, plan.num_blocks, plan.block_size, sizes.num_slots,
+                                  sizes.slot_blocks, sizes.staging_blocks, config.max_num_seqs,
+                                  dtype, runtime, make_policy(config.sparse_policy))
 
 
 def _capture_graphs(config: EngineConfig, plan: CachePlan, model: LoadedModel,

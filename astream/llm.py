@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import anyio
 
 from astream.engine import Engine
@@ -31,6 +33,8 @@ class LLM:
         except BaseException:
             self._loop.stop()
             raise
+        # Runs on close(), garbage collection or interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _shutdown, self._engine_cm, self._loop)
 
     @property
     def engine(self) -> Engine:
@@ -72,12 +76,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine and free its memory. Also runs when the LLM is garbage-collected."""
-        if self._loop is not None:
-            try:
-                self._engine_cm.__exit__(None, None, None)
-            finally:
-                self._loop.stop()
-                self._loop = None
+        self._finalizer()
 
     def __enter__(self) -> "LLM":
         return self
@@ -85,11 +84,12 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+
+def _shutdown(engine_cm, loop: LoopThread) -> None:
+    try:
+        engine_cm.__exit__(None, None, None)
+    finally:
+        loop.stop()
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:

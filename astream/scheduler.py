@@ -21,6 +21,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    align_chunks_to: int = 1       # unfinished prefill chunks end on multiples of this
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -92,7 +93,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
             if n <= 0 or seq.paused:
                 index += 1
                 continue
@@ -137,7 +138,10 @@ class Scheduler:
             if seq.num_pending or seq.isolate != isolated or (isolated and items):
                 break         # a sampled id still in flight, or a sequence that must run alone
             self.blocks.reuse_cached_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, budget)
+            if n <= 0:
+                self.blocks.release(seq)
+                break
             target = seq.num_computed_tokens + n
             need = self.blocks.blocks_needed(target) - len(seq.block_table)
             if need > self.blocks.num_free - (watermark if self.running else 0):
@@ -150,6 +154,14 @@ class Scheduler:
             items.append(self._take(seq, n))
             budget -= n
         return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens seq computes this step: all it has left, or an aligned part of it."""
+        start, left = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
+        if left <= budget:
+            return left
+        align = self.config.align_chunks_to
+        return (start + budget) // align * align - start
 
     def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens

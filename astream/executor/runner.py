@@ -1,25 +1,34 @@
 """One forward pass and sample per scheduled batch, on any device.
 
-The runner only enqueues device work. It returns the sampled ids on the device,
-a pinned host copy in flight, and an event that marks when that copy is done;
-whoever needs the ids on the host waits for the event (the async engine awaits it).
+The runner only enqueues device work. A step is a generator (`program`) that
+yields a device event wherever the host may pause (after each layer when KV is
+offloaded) and returns the StepOutput: sampled ids on the device, a pinned host
+copy in flight, and the event that marks when that copy is done. The async
+engine drives the generator and awaits those events; `launch` runs it straight
+through for synchronous callers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Generator
 
 import torch
 
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.inputs import StepInputs, build_inputs
+from astream.executor.offload_attention import JobQueue, OffloadAttention
+from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
+from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.runtime.device import DeviceRuntime
 from astream.scheduler import ScheduledBatch
 from astream.sequence import Sequence
+
+StepProgram = Generator[object, None, "StepOutput"]
 
 
 @dataclass(slots=True)
@@ -30,6 +39,7 @@ class PreparedStep:
     inputs: StepInputs
     sampling: SamplingBatch
     sampled: list[Sequence]             # sequences that get a token, in row order
+    offload_plan: OffloadStepPlan | None = None
 
 
 @dataclass(slots=True)
@@ -39,15 +49,19 @@ class StepOutput:
     token_ids: torch.Tensor             # [S] int64 on the device
     host_ids: torch.Tensor              # [S] int64 on the host, valid once `ready` completes
     ready: object                       # a runtime event
+    offloaded: list = field(default_factory=list)   # D2H events of this step's new KV
 
 
 @dataclass(slots=True)
 class ModelRunner:
     decoder: Decoder
-    cache: PagedKVCache
+    cache: PagedKVCache | None          # the device-resident cache; None when offloading
     runtime: DeviceRuntime
     generator: torch.Generator
+    block_size: int
     graphs: DecodeGraphs | None = None
+    offload: OffloadEngine | None = None
+    tails: TailSlots | None = None
 
     @property
     def scale(self) -> float:
@@ -59,26 +73,55 @@ class ModelRunner:
         if not batch.items:
             return None
         device = self.runtime.device
-        inputs = build_inputs(batch, self.cache.block_size, device)
+        inputs = build_inputs(batch, self.block_size, device)
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
-        return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample])
+        plan = None
+        if self.offload is not None:
+            plan = build_offload_plan(batch, self.block_size, self.offload.slot_blocks, self.tails, device)
+        return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
+                            plan)
+
+    def launch(self, step: PreparedStep, previous: StepOutput | None) -> StepOutput:
+        """Run a step's program straight through (synchronous callers)."""
+        program = self.program(step, previous)
+        try:
+            while True:
+                next(program)
+        except StopIteration as stop:
+            return stop.value
 
     @torch.inference_mode()
-    def launch(self, step: PreparedStep, previous: StepOutput | None) -> StepOutput:
+    def program(self, step: PreparedStep, previous: StepOutput | None) -> StepProgram:
         """Enqueue the forward pass, the sampler and the readback of the sampled ids."""
         inputs = step.inputs
         if inputs.pending_dst is not None:
             if previous is None:
                 raise RuntimeError("a batch with pending tokens needs the previous step's output")
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
-        hidden = self._forward(inputs)
+        if step.offload_plan is not None:
+            hidden = yield from self._offloaded_forward(step)
+        else:
+            hidden = self._forward(inputs)
         logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
         token_ids = sample(logits, step.sampling, self.generator)
         host_ids, ready = self.runtime.to_host(token_ids)
-        return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready)
+        offloaded = self.offload.pending_offloads() if self.offload is not None else []
+        return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
         attend = PagedAttention(self.cache, inputs.attn, self.scale)
         return self.decoder.forward(inputs.input_ids, inputs.positions, attend)
+
+    def _offloaded_forward(self, step: PreparedStep) -> Generator[object, None, torch.Tensor]:
+        """Layer by layer; yields after each so the driver can bound how far the host runs ahead."""
+        decoder, inputs, plan = self.decoder, step.inputs, step.offload_plan
+        queue = JobQueue(self.offload, plan.jobs, decoder.config.num_layers)
+        queue.prefetch()
+        attend = OffloadAttention(self.offload, plan, queue, self.scale)
+        hidden = decoder.embed(inputs.input_ids)
+        for layer in range(decoder.config.num_layers):
+            hidden = decoder.layer(layer, hidden, inputs.positions, attend)
+            yield self.runtime.record_event()
+        return decoder.final_norm(hidden)

@@ -1,7 +1,13 @@
-"""How many KV blocks fit, and what max_model_len and token budget follow from it."""
+"""How many KV blocks fit, and what max_model_len and token budget follow from it.
+
+Without offload the blocks live on the device and fill the memory the weights
+leave. With offload they live in host memory, and the device keeps only a ring
+of layer buffers, a staging buffer for new KV and one tail block per sequence.
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -9,33 +15,40 @@ import torch
 from astream.config import EngineConfig
 from astream.models.config import ModelConfig
 
+_MiB, _GiB = 2**20, 2**30
+
+
+@dataclass(slots=True, frozen=True)
+class OffloadPlan:
+    num_slots: int                 # ring slots (layer buffers) on the device
+    slot_blocks: int               # KV blocks one slot holds
+    staging_blocks: int            # blocks of new KV one layer can stage for D2H
+
 
 @dataclass(slots=True, frozen=True)
 class CachePlan:
-    num_blocks: int
+    num_blocks: int                # KV blocks in the cache (host pool when offloading)
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
+    offload: OffloadPlan | None = None
 
 
 def plan_cache(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> CachePlan:
     check_max_model_len(cfg, model)
-    block = cfg.kv_block_size
+    block = cfg.block_size
     max_len = cfg.max_model_len or model.max_position_embeddings
-    budget = cfg.max_num_batched_tokens or _default_budget(cfg, device)
-    bytes_per_block = model.kv_bytes_per_token * block * torch.empty((), dtype=dtype).element_size()
-    blocks = cfg.num_kv_blocks or _fit_blocks(cfg, model, dtype, device, budget, bytes_per_block)
-    capacity = blocks * block
-    if capacity < max_len:
-        if cfg.max_model_len:
-            raise ValueError(f"max_model_len {cfg.max_model_len} does not fit in the KV cache: "
-                             f"{blocks} blocks x {block} tokens = {capacity} tokens; lower "
-                             "max_model_len or raise num_kv_blocks / the memory budget")
-        max_len = capacity            # derived, so shrink it to what fits
-    if max_len < 2:
-        raise ValueError(f"the KV cache holds only {capacity} tokens; give it more blocks")
-    return CachePlan(blocks, block, max_len, max(budget, cfg.max_num_seqs))
+    budget = max(cfg.max_num_batched_tokens or _default_budget(cfg, device), cfg.max_num_seqs)
+    block_bytes = model.kv_bytes_per_token * block * _element_size(dtype)
+    if cfg.offload:
+        budget = max(budget, cfg.max_num_seqs + block)     # room for a whole block after decodes
+        blocks = cfg.num_kv_blocks or _host_blocks(cfg, max_len, block, block_bytes)
+    else:
+        blocks = cfg.num_kv_blocks or _device_blocks(cfg, model, dtype, device, budget, block_bytes)
+    max_len = _fit_max_len(cfg, blocks, block, max_len, "host KV pool" if cfg.offload else "KV cache")
+    offload = _plan_offload(cfg, model, dtype, device, budget, max_len) if cfg.offload else None
+    return CachePlan(blocks, block, max_len, budget, offload)
 
 
 def check_max_model_len(cfg: EngineConfig, model: ModelConfig) -> None:
@@ -44,31 +57,95 @@ def check_max_model_len(cfg: EngineConfig, model: ModelConfig) -> None:
                          f"{model.max_position_embeddings} tokens")
 
 
+def _fit_max_len(cfg: EngineConfig, blocks: int, block: int, max_len: int, where: str) -> int:
+    capacity = blocks * block
+    if capacity >= max_len:
+        return max_len
+    if cfg.max_model_len:
+        raise ValueError(f"max_model_len {cfg.max_model_len} does not fit in the {where}: "
+                         f"{blocks} blocks x {block} tokens = {capacity} tokens; lower "
+                         "max_model_len or give the cache more memory")
+    if capacity < 2:
+        raise ValueError(f"the {where} holds only {capacity} tokens; give it more memory")
+    return capacity                    # derived, so shrink it to what fits
+
+
 def _default_budget(cfg: EngineConfig, device: torch.device) -> int:
-    return 8192 if device.type == "cuda" else 2048
+    if device.type != "cuda":
+        return 2048
+    return 16384 if cfg.offload else 8192
 
 
-def _fit_blocks(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                budget_tokens: int, bytes_per_block: int) -> int:
+def _device_blocks(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   budget_tokens: int, block_bytes: int) -> int:
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        reserve = _activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)
-        available = int(total * cfg.gpu_memory_utilization) - used - reserve
+        available = _free_device_bytes(cfg, model, dtype, device, budget_tokens)
     else:
-        available = int(cfg.cpu_kv_cache_gib * 2**30)
-    blocks = available // bytes_per_block
+        available = int(cfg.cpu_kv_cache_gib * _GiB)
+    blocks = available // block_bytes
     if blocks < 1:
-        raise ValueError(f"no memory left for the KV cache ({available / 2**20:.0f} MiB after weights "
-                         "and activations); raise gpu_memory_utilization or lower "
-                         "max_num_batched_tokens")
+        raise ValueError(f"no memory left for the KV cache ({available / _MiB:.0f} MiB after weights "
+                         "and activations); raise gpu_memory_utilization, lower "
+                         "max_num_batched_tokens, or use offload=True")
     return int(blocks)
+
+
+def _host_blocks(cfg: EngineConfig, max_len: int, block: int, block_bytes: int) -> int:
+    if cfg.offload_host_gib is not None:
+        return max(1, int(cfg.offload_host_gib * _GiB) // block_bytes)
+    wanted = cfg.max_num_seqs * -(-max_len // block)
+    affordable = int(_host_available_bytes() * 0.5) // block_bytes
+    return max(1, min(wanted, affordable))
+
+
+def _plan_offload(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+                  budget: int, max_len: int) -> OffloadPlan:
+    block = cfg.block_size
+    slots = cfg.offload_prefetch_layers + 1
+    layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(dtype)
+    staging_blocks = -(-budget // block) + 1
+    wanted = cfg.max_num_seqs * -(-max_len // block)
+    if cfg.offload_slot_tokens:
+        slot_blocks = -(-cfg.offload_slot_tokens // block)
+    elif device.type == "cuda":
+        fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes
+        spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
+        slot_blocks = min(wanted, max(spare, 0) // (slots * layer_block_bytes))
+    else:
+        slot_blocks = min(wanted, _GiB // (slots * layer_block_bytes))
+    if slot_blocks < 1:
+        raise ValueError("no GPU memory left for the offload ring: one slot needs "
+                         f"{layer_block_bytes / _MiB:.1f} MiB per block; lower max_num_batched_tokens "
+                         "or offload_prefetch_layers, or raise gpu_memory_utilization")
+    return OffloadPlan(slots, int(slot_blocks), staging_blocks)
+
+
+def _free_device_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+                       device: torch.device, budget_tokens: int) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    reserve = _activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)
+    return int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
 
 
 def _activation_bytes(model: ModelConfig, tokens: int, seqs: int, dtype: torch.dtype) -> int:
     """A generous bound on one step's transient memory: MLP, QKV, logits and graph pools."""
-    width = 2 * model.intermediate_size + 4 * model.hidden_size + \
-        (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
-    element = torch.empty((), dtype=dtype).element_size()
+    mlp_tokens = min(tokens, 8192)                    # the decoder chunks longer MLPs
+    width = 4 * model.hidden_size + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+    element = _element_size(dtype)
     logits = seqs * model.vocab_size * 4 * 4
-    return 2 * tokens * width * element + logits + 512 * 2**20
+    return (2 * tokens * width + 3 * mlp_tokens * model.intermediate_size) * element + logits + 512 * _MiB
+
+
+def _host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -21,32 +21,43 @@ MAX_SCORE_ELEMENTS = 64 * 1024 * 1024
 
 
 def _softmax_rows(scores: Tensor) -> tuple[Tensor, Tensor]:
-    """Row softmax and lse of float32 scores; fully masked rows give (0, -inf)."""
+    """Row softmax and lse of float32 scores, in place; fully masked rows give (0, -inf)."""
     lse = torch.logsumexp(scores, dim=-1)
     # A row of all -inf has lse -inf; subtracting 0 instead keeps exp() at 0, not NaN.
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - safe.unsqueeze(-1)), lse
+    return scores.sub_(safe.unsqueeze(-1)).exp_(), lse
+
+
+def _heads_first(x: Tensor) -> Tensor:
+    """[..., S, KVH, D] any dtype -> contiguous float32 [..., KVH, S, D].
+
+    One copy does the upcast and the transpose, so both matmuls read contiguous rows
+    (a permuted operand made CPU matmuls several times slower).
+    """
+    out = torch.empty(*x.shape[:-3], x.shape[-2], x.shape[-3], x.shape[-1],
+                      dtype=torch.float32, device=x.device)
+    return out.copy_(x.transpose(-3, -2))
 
 
 def _grouped_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Attention of q [L, H, D] over k/v [S, KVH, D] (float32), mask [L, S] True=visible.
+    """Attention of q [L, H, D] over k/v [KVH, S, D] (float32), mask [L, S] True=visible.
 
     Returns out [L, H, D] and lse [L, H].
     """
     n_q, n_heads, dim = q.shape
-    n_kv = k.shape[1]
+    n_kv = k.shape[0]
     group = n_heads // n_kv
     # [KVH, G*L, D]: query heads h = kvh*G + g share kv head kvh.
-    qg = q.permute(1, 0, 2).reshape(n_kv, group * n_q, dim)
-    scores = torch.matmul(qg, k.permute(1, 2, 0)).mul_(scale)
+    qg = q.permute(1, 0, 2).reshape(n_kv, group * n_q, dim).float()
+    scores = torch.matmul(qg, k.transpose(1, 2)).mul_(scale)
     if mask is not None:
         scores = scores.view(n_kv, group, n_q, -1)
         scores.masked_fill_(~mask, float("-inf"))
         scores = scores.view(n_kv, group * n_q, -1)
     probs, lse = _softmax_rows(scores)
-    out = torch.matmul(probs, v.permute(1, 0, 2))
+    out = torch.matmul(probs, v)
     out = out.view(n_heads, n_q, dim).permute(1, 0, 2)
     return out, lse.view(n_heads, n_q).t()
 
@@ -58,9 +69,10 @@ def _row_chunk(n_heads: int, n_keys: int) -> int:
 def _sequence_attention(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """One sequence, float32 inputs; query rows chunked to bound memory."""
+    """One sequence; query rows chunked to bound memory."""
     n_q, n_heads, _ = q.shape
     n_k = k.shape[0]
+    k, v = _heads_first(k), _heads_first(v)
     offset = n_k - n_q  # bottom-right causal alignment
     outs, lses = [], []
     step = _row_chunk(n_heads, n_k)
@@ -72,7 +84,7 @@ def _sequence_attention(
             rows = torch.arange(start, stop, device=q.device).unsqueeze(1) + offset
             mask = torch.arange(keys_end, device=q.device).unsqueeze(0) <= rows
         out, lse = _grouped_attention(
-            q[start:stop], k[:keys_end], v[:keys_end], mask, scale
+            q[start:stop], k[:, :keys_end], v[:, :keys_end], mask, scale
         )
         outs.append(out)
         lses.append(lse)
@@ -91,19 +103,17 @@ def varlen_attention_ref(
         q0, q1, k0, k1 = cq[seq], cq[seq + 1], ck[seq], ck[seq + 1]
         if q1 == q0 or k1 == k0:
             continue  # no queries, or no keys: out stays 0, lse stays -inf
-        o, s = _sequence_attention(
-            q[q0:q1].float(), k[k0:k1].float(), v[k0:k1].float(), causal, scale
-        )
+        o, s = _sequence_attention(q[q0:q1], k[k0:k1], v[k0:k1], causal, scale)
         out[q0:q1] = o.to(q.dtype)
         lse[q0:q1] = s
     return out, lse
 
 
 def _gather_context(cache: Tensor, tables: Tensor) -> Tensor:
-    """[num_blocks, bs, KVH, D] gathered by tables [B, n] -> [B, n*bs, KVH, D] float32."""
+    """[num_blocks, bs, KVH, D] gathered by tables [B, n] -> [B, KVH, n*bs, D] float32."""
     n_batch, n_blocks = tables.shape
-    gathered = cache[tables.reshape(-1)].float()
-    return gathered.view(n_batch, n_blocks * cache.shape[1], *cache.shape[2:])
+    gathered = cache[tables.reshape(-1)]
+    return _heads_first(gathered.view(n_batch, n_blocks * cache.shape[1], *cache.shape[2:]))
 
 
 def _decode_chunk(
@@ -112,15 +122,15 @@ def _decode_chunk(
     """Decode for a slice of the batch; tables already clamped to valid block ids."""
     n_batch, n_heads, dim = q.shape
     n_kv = k_cache.shape[2]
-    keys = _gather_context(k_cache, tables)  # [B, L, KVH, D]
+    keys = _gather_context(k_cache, tables)  # [B, KVH, L, D]
     values = _gather_context(v_cache, tables)
     qg = q.float().view(n_batch, n_kv, n_heads // n_kv, dim)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).mul_(scale)  # [B, KVH, G, L]
-    positions = torch.arange(keys.shape[1], device=q.device)
+    scores = torch.matmul(qg, keys.transpose(2, 3)).mul_(scale)  # [B, KVH, G, L]
+    positions = torch.arange(keys.shape[2], device=q.device)
     hidden = positions.view(1, -1) >= lens.view(-1, 1).long()
     scores.masked_fill_(hidden.view(n_batch, 1, 1, -1), float("-inf"))
     probs, lse = _softmax_rows(scores)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, KVH, G, D]
+    out = torch.matmul(probs, values)  # [B, KVH, G, D]
     return out.reshape(n_batch, n_heads, dim), lse.reshape(n_batch, n_heads)
 
 

@@ -1,1 +1,18 @@
-"""astream.policies"""
+"""Sparse attention policies: which KV blocks attention reads."""
+
+from __future__ import annotations
+
+from astream.policies.base import BlockOffload, PolicyContext, SparsePolicy
+from astream.policies.full import FullPolicy
+
+POLICIES = {"full": FullPolicy}
+
+
+def make_policy(name: str) -> SparsePolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown sparse policy {name!r}; available: {', '.join(POLICIES)}") from None
+
+
+__all__ = ["BlockOffload", "FullPolicy", "POLICIES", "PolicyContext", "SparsePolicy", "make_policy"]

@@ -8,6 +8,7 @@ engine code runs on both.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,15 @@ class DeviceRuntime:
 
     def new_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.Stream(self.device) if self.is_cuda else None
+
+    def on(self, stream: torch.cuda.Stream | None):
+        """Context manager: queue work on `stream` (a no-op on the CPU)."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def wait(self, event, stream: torch.cuda.Stream | None = None) -> None:
+        """Make `stream` (default: current) wait for `event`, on the device, not the host."""
+        if self.is_cuda and event is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
 
     def synchronize(self) -> None:
         """Only for start-up, shutdown and tests, never on a hot path."""

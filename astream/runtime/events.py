@@ -9,8 +9,9 @@ the event-loop thread itself never blocks on the device.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Callable, Generator, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -27,6 +28,21 @@ async def wait_event(event) -> None:
 async def run_off_loop(fn: Callable[..., T], *args) -> T:
     """Run blocking host work (CPU compute, long tokenization) in a worker thread."""
     return await anyio.to_thread.run_sync(fn, *args)
+
+
+async def drive(program: Generator[object, None, T], run_ahead: int) -> T:
+    """Run a step program that yields device events, keeping the host at most `run_ahead`
+    yields ahead of the device, so its launch queue never fills and blocks the loop."""
+    in_flight: deque = deque()
+    try:
+        event = next(program)
+        while True:
+            in_flight.append(event)
+            if len(in_flight) > run_ahead:
+                await wait_event(in_flight.popleft())
+            event = program.send(None)
+    except StopIteration as stop:
+        return stop.value
 
 
 @dataclass(slots=True)

@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from astream.core import TokenEvent
-from astream.runtime.events import run_off_loop
+from astream.runtime.events import drive, run_off_loop
 from astream.stages.context import StageContext
 
 log = logging.getLogger("astream")
+
+# How many layers the host may enqueue ahead of the device in a layer-by-layer step.
+LAYERS_AHEAD = 4
 
 
 @dataclass(slots=True)
@@ -36,7 +39,7 @@ async def forward_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
                 continue
             try:
                 if core.runtime.is_cuda:
-                    output = core.launch(step, previous)
+                    output = await drive(core.runner.program(step, previous), LAYERS_AHEAD)
                 else:
                     output = await run_off_loop(core.launch, step, previous)
             except Exception as exc:

@@ -1,0 +1,121 @@
+"""StreamServer: the websocket front of one running Engine, with a graceful shutdown.
+
+    async with Engine(...) as engine, StreamServer(engine, ServerOptions(port=0)) as server:
+        print(server.url)
+        ...                              # serve until told to stop
+        await server.shutdown()          # drain, then abort what is left, then close 1001
+
+Runs on asyncio (uvloop included): websockets' server is asyncio-only.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import anyio
+from websockets.asyncio.server import Server, ServerConnection, serve
+
+from astream.engine import Engine, EngineClosedError
+from astream.server.http import make_process_request
+from astream.server.options import ServerOptions
+from astream.server.protocol import PROTOCOL_VERSION
+from astream.server.session import Session
+
+_ABORT_GRACE_S = 5.0        # after aborting, time for relays to send their "abort" done frames
+
+
+class StreamServer:
+    def __init__(self, engine: Engine, options: ServerOptions | None = None) -> None:
+        self.engine = engine
+        self.options = options or ServerOptions()
+        self.closing = False
+        self._sessions: set[Session] = set()
+        self._serials = itertools.count(1)
+        self._live = 0
+        self._idle: anyio.Event | None = None
+        self._hurry: anyio.Event | None = None
+        self._ws: Server | None = None
+        self._port = 0
+
+    async def __aenter__(self) -> "StreamServer":
+        self._idle, self._hurry = anyio.Event(), anyio.Event()
+        self._idle.set()
+        process_request = make_process_request(self.options.api_key, self.health)
+        self._ws = await serve(self._handle, self.options.host, self.options.port,
+                               process_request=process_request,
+                               max_size=self.options.max_frame_bytes, compression=None)
+        self._port = self._ws.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.shutdown(0 if exc_info[0] is not None else None)
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = self.options.host
+        return f"ws://{f'[{host}]' if ':' in host else host}:{self.port}"
+
+    def health(self) -> dict:
+        try:
+            stats, status = self.engine.stats(), "shutting_down" if self.closing else "ok"
+        except EngineClosedError:
+            stats, status = {}, "engine_stopped"
+        return {"status": status, "protocol": PROTOCOL_VERSION, "connections": len(self._sessions),
+                "live_requests": self._live, **stats}
+
+    # ---- bookkeeping shared by the sessions ----------------------------------------------
+
+    def request_started(self) -> None:
+        self._live += 1
+        if self._idle.is_set():
+            self._idle = anyio.Event()
+
+    def request_ended(self) -> None:
+        self._live -= 1
+        if self._live == 0:
+            self._idle.set()
+
+    async def _handle(self, ws: ServerConnection) -> None:
+        session = Session(ws, self, next(self._serials))
+        self._sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            self._sessions.discard(session)
+
+    # ---- shutdown -------------------------------------------------------------------------
+
+    def hurry(self) -> None:
+        """Cut the shutdown's grace period short (a second SIGINT/SIGTERM)."""
+        if self._hurry is not None:
+            self._hurry.set()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Stop accepting, let live requests finish for `timeout` seconds (default: the
+        server's shutdown_timeout), abort the rest, then close every connection with 1001."""
+        if self._ws is None:
+            return
+        ws, self._ws = self._ws, None
+        self.closing = True
+        ws.server.close()                      # stops listening; open connections keep going
+        with anyio.move_on_after(self.options.shutdown_timeout if timeout is None else timeout):
+            await self._wait_idle_or_hurry()
+        for session in list(self._sessions):
+            await session.abort_all()
+        with anyio.move_on_after(_ABORT_GRACE_S):
+            await self._idle.wait()
+        ws.close()                             # code 1001, going away
+        await ws.wait_closed()
+
+    async def _wait_idle_or_hurry(self) -> None:
+        async with anyio.create_task_group() as group:
+            async def wait(event: anyio.Event) -> None:
+                await event.wait()
+                group.cancel_scope.cancel()
+
+            group.start_soon(wait, self._idle)
+            group.start_soon(wait, self._hurry)

@@ -1,0 +1,213 @@
+"""The astream-ws/1 wire protocol: client frames parsed and validated, server frames built.
+
+Everything here is pure: no sockets, no engine. docs/PROTOCOL.md is the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+from astream.outputs import StreamToken
+from astream.sampling import SamplingParams
+from astream.tokenization import Prompt
+
+PROTOCOL_VERSION = "astream-ws/1"
+MAX_ID_CHARS = 256
+
+# Stable error codes (docs/PROTOCOL.md lists when each is sent).
+INVALID_JSON = "invalid_json"
+BINARY_FRAME = "binary_frame"
+UNKNOWN_TYPE = "unknown_type"
+INVALID_FIELD = "invalid_field"
+UNKNOWN_FIELD = "unknown_field"
+UNKNOWN_PARAM = "unknown_param"
+MAX_TOKENS_CAP = "max_tokens_cap"
+PROMPT_TOO_LONG = "prompt_too_long"
+INVALID_PROMPT = "invalid_prompt"
+DUPLICATE_ID = "duplicate_id"
+UNKNOWN_ID = "unknown_id"
+TOO_MANY_REQUESTS = "too_many_requests"
+SHUTTING_DOWN = "shutting_down"
+ENGINE_ERROR = "engine_error"
+INTERNAL = "internal"
+
+_GENERATE_FIELDS = frozenset({"type", "id", "prompt", "messages", "params"})
+_CANCEL_FIELDS = frozenset({"type", "id"})
+_NUMBER = (int, float)
+
+
+class FrameError(Exception):
+    """A client frame that cannot be served; becomes one error frame."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(slots=True, frozen=True)
+class Generate:
+    id: str
+    prompt: Prompt
+    params: SamplingParams
+
+
+@dataclass(slots=True, frozen=True)
+class Cancel:
+    id: str
+
+
+def parse_frame(message: str | bytes, max_tokens_cap: int) -> Generate | Cancel:
+    """One received websocket message -> a request; raises FrameError for anything invalid."""
+    if not isinstance(message, str):
+        raise FrameError(BINARY_FRAME, "binary frames are not part of the protocol; send JSON text")
+    try:
+        frame = json.loads(message)
+    except ValueError as exc:
+        raise FrameError(INVALID_JSON, f"frame is not valid JSON: {exc}") from None
+    if not isinstance(frame, dict):
+        raise FrameError(INVALID_FIELD, f"a frame must be a JSON object, got {_json_type(frame)}")
+    kind = frame.get("type")
+    if not isinstance(kind, str):
+        raise FrameError(INVALID_FIELD, "field 'type' must be a string", _loose_id(frame))
+    if kind == "generate":
+        return _parse_generate(frame, max_tokens_cap)
+    if kind == "cancel":
+        request_id = _request_id(frame)
+        _reject_unknown_fields(frame, _CANCEL_FIELDS, request_id)
+        return Cancel(request_id)
+    raise FrameError(UNKNOWN_TYPE, f"unknown frame type {kind!r}; expected 'generate' or 'cancel'",
+                     _loose_id(frame))
+
+
+def _parse_generate(frame: dict, max_tokens_cap: int) -> Generate:
+    request_id = _request_id(frame)
+    _reject_unknown_fields(frame, _GENERATE_FIELDS, request_id)
+    has_prompt, has_messages = "prompt" in frame, "messages" in frame
+    if has_prompt == has_messages:
+        raise FrameError(INVALID_FIELD, "give exactly one of 'prompt' and 'messages'", request_id)
+    prompt = _prompt(frame["prompt"], request_id) if has_prompt else \
+        _messages(frame["messages"], request_id)
+    return Generate(request_id, prompt, _params(frame.get("params", {}), max_tokens_cap, request_id))
+
+
+def _request_id(frame: dict) -> str:
+    value = frame.get("id")
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise FrameError(INVALID_FIELD, f"field 'id' must be a string of 1 to {MAX_ID_CHARS} characters")
+    return value
+
+
+def _loose_id(frame: dict) -> str | None:
+    """The frame's id for an error frame, when it is a usable one."""
+    value = frame.get("id")
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else None
+
+
+def _reject_unknown_fields(frame: dict, known: frozenset, request_id: str) -> None:
+    unknown = sorted(set(frame) - known)
+    if unknown:
+        raise FrameError(UNKNOWN_FIELD, f"unknown field(s) {unknown} in a {frame['type']!r} frame; "
+                         f"known: {sorted(known)}", request_id)
+
+
+def _prompt(value: object, request_id: str) -> Prompt:
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
+        return list(value)
+    raise FrameError(INVALID_FIELD, "field 'prompt' must be a non-empty string or a non-empty list "
+                     "of token ids", request_id)
+
+
+def _messages(value: object, request_id: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise FrameError(INVALID_FIELD, "field 'messages' must be a non-empty list", request_id)
+    for i, message in enumerate(value):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise FrameError(INVALID_FIELD, f"messages[{i}] must be an object with string 'role' "
+                             "and 'content'", request_id)
+    return list(value)
+
+
+def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingParams:
+    if not isinstance(value, dict):
+        raise FrameError(INVALID_FIELD, "field 'params' must be an object", request_id)
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise FrameError(UNKNOWN_PARAM, f"unknown param(s) {unknown}; known: {sorted(known)}",
+                         request_id)
+    for name, item in value.items():
+        _check_param_type(name, item, request_id)
+    params = dict(value)
+    max_tokens = params.setdefault("max_tokens", min(SamplingParams.max_tokens, max_tokens_cap))
+    if max_tokens > max_tokens_cap:
+        raise FrameError(MAX_TOKENS_CAP, f"max_tokens {max_tokens} is above this server's cap of "
+                         f"{max_tokens_cap}", request_id)
+    try:
+        return SamplingParams.from_dict(params)
+    except ValueError as exc:
+        raise FrameError(INVALID_FIELD, f"params: {exc}", request_id) from None
+
+
+def _check_param_type(name: str, value: object, request_id: str) -> None:
+    """JSON types per param; SamplingParams then checks ranges. New params pass through."""
+    ok = {
+        "temperature": lambda v: _is_number(v),
+        "top_p": lambda v: _is_number(v),
+        "top_k": _is_int,
+        "max_tokens": _is_int,
+        "seed": lambda v: v is None or _is_int(v),
+        "stop": lambda v: isinstance(v, str) or (isinstance(v, list)
+                                                 and all(isinstance(s, str) for s in v)),
+        "stop_token_ids": lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+        "ignore_eos": lambda v: isinstance(v, bool),
+    }.get(name, lambda v: True)
+    if not ok(value):
+        raise FrameError(INVALID_FIELD, f"params.{name} has the wrong type ({_json_type(value)})",
+                         request_id)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, _NUMBER) and not isinstance(value, bool)
+
+
+def _json_type(value: object) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+             float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+# ---- server frames -------------------------------------------------------------------
+
+def encode(frame: dict) -> str:
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+
+
+def token_frame(request_id: str, token: StreamToken) -> dict:
+    """token_id is null for text released without a token (the final marker of an abort)."""
+    return {"type": "token", "id": request_id, "index": token.index,
+            "token_id": token.token_id if token.token_id >= 0 else None, "text": token.text}
+
+
+def progress_frame(request_id: str, prefilled: int, total: int) -> dict:
+    return {"type": "progress", "id": request_id, "prefilled": prefilled, "total": total}
+
+
+def done_frame(request_id: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+               timing: dict) -> dict:
+    return {"type": "done", "id": request_id, "finish_reason": finish_reason,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+            "timing": {k: None if v is None else round(v, 3) for k, v in timing.items()}}
+
+
+def error_frame(request_id: str | None, code: str, message: str) -> dict:
+    return {"type": "error", "id": request_id, "code": code, "message": message}
