@@ -18,6 +18,7 @@ class EngineConfig:
 
     model: str | None = None               # HF folder or .gguf file; None: embedded SmolLM2
     tokenizer: str | None = None           # defaults to the model's own
+    load_format: str = "auto"              # "auto", or "dummy": random weights (benchmarks)
     device: str = "auto"                   # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None       # prompt + output tokens of one sequence
@@ -37,7 +38,7 @@ class EngineConfig:
     offload_host_gib: float | None = None  # host KV pool; None: what max_num_seqs full sequences need
     offload_prefetch_layers: int = 2       # ring loads run this many layers ahead of compute
     offload_slot_tokens: int | None = None # KV tokens one ring slot holds; None: sized from GPU memory
-    sparse_policy: str = "full"            # which KV blocks attention reads (policies/)
+    sparse_policy: object = "full"         # a policy name (policies/) or a SparsePolicy instance
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,6 +53,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        from astream.policies import POLICIES, SparsePolicy
+        if not isinstance(self.sparse_policy, SparsePolicy) and self.sparse_policy not in POLICIES:
+            raise ValueError(f"unknown sparse_policy {self.sparse_policy!r}; use one of "
+                             f"{sorted(POLICIES)} or a SparsePolicy instance")
         if self.offload_host_gib is not None and self.offload_host_gib <= 0:
             raise ValueError(f"offload_host_gib must be > 0, got {self.offload_host_gib}")
         if self.kv_block_size and self.kv_block_size & (self.kv_block_size - 1):

@@ -64,10 +64,10 @@ class EngineCore:
     def create(cls, config: EngineConfig, progress: ProgressFn | None = None) -> "EngineCore":
         device, dtype = config.torch_device(), config.torch_dtype()
         path = resolve_model_path(config.model)
-        checkpoint = open_checkpoint(path)
+        checkpoint = open_checkpoint(path, config.load_format)
         model_config = ModelConfig.from_hf(checkpoint.hf_config)
         check_max_model_len(config, model_config)          # fail before the slow part
-        model = load_model(checkpoint, dtype, device, progress)
+        model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
         plan = plan_cache(config, model_config, dtype, device)    # sized after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
@@ -199,7 +199,17 @@ class EngineCore:
                 "kv_block_size": blocks.block_size, "prefix_cache_hits": blocks.prefix_hits,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "steps": self.scheduler.steps, "preemptions": self.scheduler.preemptions,
-                "max_model_len": self.plan.max_model_len, "offload": self.config.offload}
+                "max_model_len": self.plan.max_model_len, "offload": self.config.offload,
+                **self._offload_stats()}
+
+    def _offload_stats(self) -> dict:
+        engine = self.runner.offload
+        if engine is None:
+            return {}
+        return {"offload_tail_blocks_used": self.runner.tails.in_use(),
+                "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
+                "offload_bytes_loaded": engine.bytes_loaded,
+                "offload_bytes_offloaded": engine.bytes_offloaded}
 
 
 def _offload_engine(config: EngineConfig, plan: CachePlan, model: ModelConfig, dtype: torch.dtype,

@@ -62,6 +62,7 @@ class Engine:
         self._task_group = None
         self._end_all("abort", None)
         self.core.runtime.synchronize()
+        self.core.runtime.close()
         self.core = self._ctx = self._submit = None
         gc.collect()
         if torch.cuda.is_available():

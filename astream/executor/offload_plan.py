@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from astream.ops.attention import VarlenMeta
-from astream.scheduler import ScheduledBatch, ScheduledSeq
+from astream.scheduler import ScheduledBatch
 from astream.sequence import SequenceStatus
 
 Run = tuple[int, int, int]
@@ -69,6 +69,10 @@ class TailSlots:
             used = set(self.owners.values())
             self.owners[seq] = next(i for i in range(self.capacity) if i not in used)
         return self.owners[seq]
+
+    def in_use(self) -> int:
+        self._reclaim()
+        return len(self.owners)
 
     def _reclaim(self) -> None:
         for seq in [s for s in self.owners if s.status is not SequenceStatus.RUNNING]:

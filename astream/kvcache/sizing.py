@@ -16,6 +16,7 @@ from astream.config import EngineConfig
 from astream.models.config import ModelConfig
 
 _MiB, _GiB = 2**20, 2**30
+_SLOT_TOKENS = 65536
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,7 +105,9 @@ def _plan_offload(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, dev
     slots = cfg.offload_prefetch_layers + 1
     layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(dtype)
     staging_blocks = -(-budget // block) + 1
-    wanted = cfg.max_num_seqs * -(-max_len // block)
+    # A slot holds one full-length sequence's layer KV, or a batch of shorter ones: loads
+    # stay large enough for PCIe efficiency while the ring stays a small share of memory.
+    wanted = -(-max(max_len, min(cfg.max_num_seqs * max_len, _SLOT_TOKENS)) // block)
     if cfg.offload_slot_tokens:
         slot_blocks = -(-cfg.offload_slot_tokens // block)
     elif device.type == "cuda":

@@ -55,8 +55,13 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     return path
 
 
-def open_checkpoint(path: Path):
+def open_checkpoint(path: Path, load_format: str = "auto"):
     """Parse a checkpoint's metadata once; tensors are read later, one at a time."""
+    if load_format == "dummy":
+        from astream.models.dummy import DummyCheckpoint
+        if path.suffix == ".gguf":
+            raise ValueError("load_format='dummy' needs a folder with config.json, not a .gguf file")
+        return DummyCheckpoint.open(path)
     if path.suffix == ".gguf":
         from astream.models.gguf_loader import read_gguf
         return read_gguf(path)
@@ -65,13 +70,16 @@ def open_checkpoint(path: Path):
 
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
-               progress: ProgressFn | None = None) -> LoadedModel:
+               progress: ProgressFn | None = None, tokenizer: str | None = None) -> LoadedModel:
     config = ModelConfig.from_hf(checkpoint.hf_config)
     weights = assemble_weights(config, _with_progress(checkpoint, dtype, device, progress))
     rope = RotaryTable.build(config.head_dim, config.max_position_embeddings, config.rope_theta,
                              config.rope_scaling_factor, dtype, device)
     path = Path(checkpoint.path)
-    return LoadedModel(Decoder(config, weights, rope), load_tokenizer(path), path)
+    tokenizer_path = Path(tokenizer).expanduser() if tokenizer else path
+    if not tokenizer_path.exists():
+        raise FileNotFoundError(f"tokenizer path does not exist: {tokenizer_path}")
+    return LoadedModel(Decoder(config, weights, rope), load_tokenizer(tokenizer_path), path)
 
 
 def load_tokenizer(path: Path):

@@ -8,7 +8,9 @@ from astream.policies.full import FullPolicy
 POLICIES = {"full": FullPolicy}
 
 
-def make_policy(name: str) -> SparsePolicy:
+def make_policy(name: str | SparsePolicy) -> SparsePolicy:
+    if isinstance(name, SparsePolicy):
+        return name
     try:
         return POLICIES[name]()
     except KeyError:

@@ -9,9 +9,15 @@ engine code runs on both.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
+import anyio
+import anyio.to_thread
 import torch
+
+T = TypeVar("T")
 
 
 class CompletedEvent:
@@ -29,6 +35,26 @@ class CompletedEvent:
 @dataclass(slots=True)
 class DeviceRuntime:
     device: torch.device
+    # CPU compute runs on this one thread. Torch's OpenMP pool spins after each
+    # parallel region, and every new calling thread gets a pool of its own, so
+    # compute hopping between threads leaves idle pools spinning on the cores.
+    _cpu_worker: ThreadPoolExecutor | None = None
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Run device work without blocking the event loop: on CUDA it only enqueues, so it
+        runs inline; on the CPU it computes on the runtime's worker thread."""
+        if self.is_cuda:
+            return fn(*args)
+        if self._cpu_worker is None:
+            self._cpu_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="astream-cpu")
+        future = self._cpu_worker.submit(fn, *args)
+        # The anyio worker only waits on the future; it never touches torch.
+        return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+
+    def close(self) -> None:
+        if self._cpu_worker is not None:
+            self._cpu_worker.shutdown(wait=True, cancel_futures=True)
+            self._cpu_worker = None
 
     @property
     def is_cuda(self) -> bool:

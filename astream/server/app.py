@@ -48,7 +48,10 @@ class StreamServer:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        await self.shutdown(0 if exc_info[0] is not None else None)
+        # Shielded: leaving because of a cancellation must still close the listener and
+        # the connections; the steps of shutdown() are bounded by timeouts.
+        with anyio.CancelScope(shield=True):
+            await self.shutdown(0 if exc_info[0] is not None else None)
 
     @property
     def port(self) -> int:

@@ -35,6 +35,7 @@ INTERNAL = "internal"
 _GENERATE_FIELDS = frozenset({"type", "id", "prompt", "messages", "params"})
 _CANCEL_FIELDS = frozenset({"type", "id"})
 _NUMBER = (int, float)
+_DEFAULT_MAX_TOKENS = SamplingParams().max_tokens
 
 
 class FrameError(Exception):
@@ -144,7 +145,7 @@ def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingPara
     for name, item in value.items():
         _check_param_type(name, item, request_id)
     params = dict(value)
-    max_tokens = params.setdefault("max_tokens", min(SamplingParams.max_tokens, max_tokens_cap))
+    max_tokens = params.setdefault("max_tokens", min(_DEFAULT_MAX_TOKENS, max_tokens_cap))
     if max_tokens > max_tokens_cap:
         raise FrameError(MAX_TOKENS_CAP, f"max_tokens {max_tokens} is above this server's cap of "
                          f"{max_tokens_cap}", request_id)

@@ -7,6 +7,7 @@ group is cancelled and every request still live on it is aborted, freeing its KV
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ class Session:
         self.server = server
         self.serial = serial
         self.live: dict[str, str] = {}      # client request id -> engine request id
+        self._numbers = itertools.count(1)
         self._tasks: TaskGroup | None = None
 
     async def run(self) -> None:
@@ -92,7 +94,8 @@ class Session:
         if len(self.live) >= limit:
             raise p.FrameError(p.TOO_MANY_REQUESTS, f"this connection already has {limit} live "
                                "requests, the server's limit", frame.id)
-        engine_id = f"ws{self.serial}/{frame.id}"
+        # Unique per request, so a relay that ends late never mistakes a reused client id.
+        engine_id = f"ws{self.serial}.{next(self._numbers)}/{frame.id}"
         try:
             request = await self.server.engine.request(frame.prompt, frame.params, engine_id,
                                                        progress=True)
@@ -114,17 +117,17 @@ class Session:
                 async for item in request:
                     await self._forward(request_id, request, item, prefill)
         except ValueError as exc:                  # the engine rejected the prompt
-            self._end(request_id)
-            await self._send(p.error_frame(request_id, _prompt_error_code(exc), str(exc)))
+            self._end(request_id, request)
+            await self._send_quietly(p.error_frame(request_id, _prompt_error_code(exc), str(exc)))
         except ConnectionClosed:
             pass
         except Exception as exc:                   # a bug: this request fails, the connection lives
             log.exception("relay of request %s failed", request_id)
-            self._end(request_id)
+            self._end(request_id, request)
             await self._send_quietly(p.error_frame(request_id, p.INTERNAL, f"{type(exc).__name__}"))
         finally:
             prefill.beat.cancel()
-            self._end(request_id)
+            self._end(request_id, request)
 
     async def _forward(self, request_id: str, request: RequestStream, item: StreamToken | Progress,
                        prefill: _Prefill) -> None:
@@ -139,7 +142,7 @@ class Session:
             await self._send(p.token_frame(request_id, item))
         if item.finish_reason is None:
             return
-        self._end(request_id)                      # before the last frame: the id may be reused at once
+        self._end(request_id, request)             # before the last frame: the id may be reused at once
         if item.finish_reason == "error":
             await self._send(p.error_frame(request_id, p.ENGINE_ERROR, item.error or "request failed"))
         else:
@@ -159,8 +162,9 @@ class Session:
                 if total:                          # 0: not tokenized yet, nothing to report
                     await self._send_quietly(p.progress_frame(request_id, prefill.prefilled, total))
 
-    def _end(self, request_id: str) -> None:
-        if self.live.pop(request_id, None) is not None:
+    def _end(self, request_id: str, request: RequestStream) -> None:
+        if self.live.get(request_id) == request.request_id:
+            del self.live[request_id]
             self.server.request_ended()
 
     async def _send(self, frame: dict) -> None:
@@ -174,6 +178,6 @@ class Session:
 
 
 def _prompt_error_code(exc: ValueError) -> str:
-    # The engine raises a plain ValueError for every bad prompt; only the message tells
-    # "too long for max_model_len" apart (see the report: a subclass would be sturdier).
+    # The engine raises a plain ValueError for every bad prompt; only its message tells
+    # "too long for max_model_len" apart. An engine-side subclass would be sturdier.
     return p.PROMPT_TOO_LONG if "max_model_len" in str(exc) else p.INVALID_PROMPT

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from astream.core import TokenEvent
-from astream.runtime.events import drive, run_off_loop
+from astream.runtime.events import drive
 from astream.stages.context import StageContext
 
 log = logging.getLogger("astream")
@@ -41,7 +41,7 @@ async def forward_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
                 if core.runtime.is_cuda:
                     output = await drive(core.runner.program(step, previous), LAYERS_AHEAD)
                 else:
-                    output = await run_off_loop(core.launch, step, previous)
+                    output = await core.runtime.run(core.launch, step, previous)
             except Exception as exc:
                 log.exception("step %d failed", step.batch.step)
                 ticket.launched.set()

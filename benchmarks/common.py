@@ -1,0 +1,100 @@
+"""Shared pieces of the benchmarks: model shapes, workloads, timing and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from astream.models.loader import default_model_path  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+# Qwen3 model shapes (random weights: speed does not depend on the values).
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+def shaped_model(shape: str, max_positions: int = 40960, root: Path | None = None) -> Path:
+    """A folder with a config.json of `shape`; load it with load_format="dummy"."""
+    folder = (root or Path(os.environ.get("TMPDIR", "/tmp"))) / f"astream-{shape}-{max_positions}"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = dict(model_type="qwen3", vocab_size=151936, head_dim=128 if shape != "tiny" else 32,
+                  max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=1e6,
+                  bos_token_id=151643, eos_token_id=151645, **SHAPES[shape])
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def smollm2() -> str:
+    """The embedded model: its installed package, or the copy the device recipe stages."""
+    staged = Path("/tmp/smollm2.gguf")
+    if staged.is_file():
+        return str(staged)
+    return str(default_model_path())
+
+
+def random_workload(n: int, lo: int, hi: int, out_lo: int, out_hi: int, seed: int = 0,
+                    vocab: int = 49152) -> list[tuple[list[int], int]]:
+    """n requests of (prompt token ids, output length), lengths uniform in the ranges."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
+    outs = torch.randint(out_lo, out_hi + 1, (n,), generator=gen).tolist()
+    return [(torch.randint(100, vocab, (length,), generator=gen).tolist(), out)
+            for length, out in zip(lens, outs)]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timer:
+    def __enter__(self) -> "Timer":
+        sync()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sync()
+        self.seconds = time.perf_counter() - self.start
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def save(name: str, result: dict, smoke: bool = False) -> None:
+    """Write benchmarks/results/<name>.json, and $OUT/<name>.json on the device machine.
+    A smoke run (CPU, tiny shapes: it only checks the script) writes to /tmp instead."""
+    result = {"device": device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
+    text = json.dumps(result, indent=2, default=str)
+    folder = Path("/tmp/astream-smoke") if smoke else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{name}.json").write_text(text)
+    print(f"wrote {name}.json")

@@ -1,0 +1,176 @@
+"""KV offload on the GPU: prefill and decode speed against the resident cache and the PCIe floor.
+
+Qwen3-4B shape, random weights, bf16. For each (context, batch): prefill tokens/s, the
+decode step time once every sequence decodes, bytes moved per step, peak GPU memory;
+offload on and off. The floor of an offloaded decode step is the KV it must load over
+PCIe divided by the H2D bandwidth measured in this run. Then transformers' offloaded
+KV cache on the same model and GPU at 32K, and a Qwen3-8B shape at 128K with offload
+inside a 24 GiB GPU budget.
+
+    python benchmarks/offload.py             # GPU
+    python benchmarks/offload.py --smoke     # CPU, tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+import traceback
+
+import anyio
+import torch
+
+from common import Timer, percentile, save, shaped_model, smollm2  # noqa: I001
+from astream import Engine, SamplingParams
+
+GiB = 2**30
+
+
+def bandwidth() -> dict:
+    host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    result = {}
+    for name, dst, src in (("h2d_GBps", dev, host), ("d2h_GBps", host, dev)):
+        times = []
+        for _ in range(5):
+            with Timer() as t:
+                dst.copy_(src, non_blocking=True)
+            times.append(t.seconds)
+        result[name] = round(GiB / percentile(times, 50) / 1e9, 1)
+    return result
+
+
+async def one_case(engine: Engine, ctx: int, batch: int, decode_tokens: int, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(100, 49152, (ctx,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    stamps: list[list[float]] = [[] for _ in range(batch)]
+    stats0 = engine.stats()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+    async def consume(i: int) -> None:
+        async for _ in engine.stream(prompts[i], params):
+            stamps[i].append(time.perf_counter())
+
+    start = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for i in range(batch):
+            group.start_soon(consume, i)
+    stats1 = engine.stats()
+    all_decoding = max(s[0] for s in stamps)
+    tail = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= all_decoding]
+    prefill_s = all_decoding - start
+    return {"context": ctx, "batch": batch, "prefill_s": round(prefill_s, 3),
+            "prefill_tok_s": round(ctx * batch / prefill_s, 1),
+            "decode_step_ms": round(percentile(tail, 50) * 1e3, 2) if tail else None,
+            "bytes_loaded": stats1.get("offload_bytes_loaded", 0) - stats0.get("offload_bytes_loaded", 0),
+            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / GiB, 2)
+            if torch.cuda.is_available() else None}
+
+
+async def engine_cases(config: dict, cases: list[tuple[int, int]], decode_tokens: int) -> list[dict]:
+    rows = []
+    async with Engine(**config) as engine:
+        await engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        for i, (ctx, batch) in enumerate(cases):
+            rows.append(await one_case(engine, ctx, batch, decode_tokens, seed=i))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def hf_offloaded_cache(folder, ctx: int, new_tokens: int) -> dict:
+    """transformers' own offloaded KV cache: ms per decode token at `ctx`, against its resident cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(100, 49152, (1, ctx), device="cuda")
+    result = {}
+    for name, cache in (("offloaded", "offloaded"), ("resident", None)):
+        times = {}
+        for n in (1, 1 + new_tokens):
+            kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            if cache:
+                kw["cache_implementation"] = cache
+            with torch.no_grad(), Timer() as t:
+                model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            times[n] = t.seconds
+        result[f"{name}_ms_per_token"] = round((times[1 + new_tokens] - times[1]) / new_tokens * 1e3, 1)
+    del model
+    return result
+
+
+def section(results: dict, name: str, fn, *args) -> None:
+    try:
+        results[name] = fn(*args)
+    except Exception as exc:                 # record it and go on with the next section
+        traceback.print_exc()
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip")
+    args = parser.parse_args()
+    smoke, skip = args.smoke, set(args.skip.split(","))
+    shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
+    folder = shaped_model(shape, max_positions=max_pos)
+    base = dict(model=str(folder), load_format="dummy", tokenizer=smollm2(),
+                device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
+                max_num_seqs=4, max_model_len=max_pos)
+    cases = [(256, 1), (256, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    decode_tokens = 6 if smoke else 17
+    results: dict = {"shape": shape, "cases": "(context, batch)"}
+    if not smoke:
+        section(results, "bandwidth", bandwidth)
+    if not smoke:
+        base["max_num_batched_tokens"] = 16384       # the same prefill chunks in both modes
+    offload_cfg = {**base, "offload": True, **({"kv_block_size": 16, "offload_slot_tokens": 64}
+                                                 if smoke else {"num_kv_blocks": 600})}
+    runner = (lambda cfg: anyio.run(engine_cases, cfg, cases, decode_tokens))
+    if "offload" not in skip:
+        section(results, "offload", runner, offload_cfg)
+    if "resident" not in skip:
+        section(results, "resident", runner, base)
+    save("offload", results, smoke=smoke)
+    if not smoke and "hf" not in skip:
+        section(results, "transformers_32k", hf_offloaded_cache, folder, 32768, 8)
+        save("offload", results)
+    if not smoke and "8b" not in skip:
+        total = torch.cuda.get_device_properties(0).total_memory
+        big = shaped_model("qwen3-8b", max_positions=max_pos)
+        cfg8 = {**base, "model": str(big), "offload": True, "max_num_seqs": 1, "num_kv_blocks": 520,
+                "gpu_memory_utilization": round(24 * GiB / total, 3)}
+        section(results, "qwen3_8b_128k_in_24gib",
+                lambda: anyio.run(engine_cases, cfg8, [(131072, 1)], 4))
+    summarize(results, smoke)
+
+
+def summarize(results: dict, smoke: bool) -> None:
+    h2d = results.get("bandwidth", {}).get("h2d_GBps")
+    kv_per_token = 147456                            # Qwen3-4B: 36 layers x 8 heads x 128 x 2 x 2 bytes
+    for mode in ("offload", "resident"):
+        for row in results.get(mode, []) if isinstance(results.get(mode), list) else []:
+            if h2d and mode == "offload":
+                floor_ms = row["context"] * row["batch"] * kv_per_token / (h2d * 1e9) * 1e3
+                row["floor_ms"] = round(floor_ms, 1)
+                if row["decode_step_ms"]:
+                    row["step_over_floor"] = round(row["decode_step_ms"] / floor_ms, 3)
+    off, res = results.get("offload"), results.get("resident")
+    if isinstance(off, list) and isinstance(res, list):
+        results["prefill_offload_vs_resident"] = [
+            round(a["prefill_tok_s"] / b["prefill_tok_s"], 3) for a, b in zip(off, res)]
+    save("offload", results, smoke=smoke)
+    for key, value in results.items():
+        print(f"{key}: {value}")
+
+
+if __name__ == "__main__":
+    main()

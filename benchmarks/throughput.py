@@ -1,0 +1,100 @@
+"""Offline throughput: 256 requests, input and output lengths uniform in 100..1024.
+
+Qwen3-0.6B- and Qwen3-4B-shaped models with random weights, bf16, greedy with
+ignore_eos so every request produces exactly its output length. In the same run,
+transformers' `generate` (batched, left-padded) on a subset of the workload with
+outputs capped, next to astream on that same subset: generating the full workload
+through transformers would take several minutes of the GPU budget.
+
+    python benchmarks/throughput.py              # GPU
+    python benchmarks/throughput.py --smoke      # CPU, tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+from common import Timer, random_workload, save, shaped_model, smollm2  # noqa: I001
+from astream import LLM, SamplingParams
+
+
+def astream_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
+    params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in work]
+    with Timer() as t:
+        outs = llm.generate([prompt for prompt, _ in work], params)
+    produced = sum(len(o.token_ids) for o in outs)
+    assert produced == sum(out for _, out in work), "a request stopped early"
+    prompt_tokens = sum(len(p) for p, _ in work)
+    return {"requests": len(work), "seconds": round(t.seconds, 3), "output_tokens": produced,
+            "output_tok_s": round(produced / t.seconds, 1),
+            "total_tok_s": round((produced + prompt_tokens) / t.seconds, 1)}
+
+
+def hf_run(folder, work: list[tuple[list[int], int]], device: str) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    width = max(len(p) for p, _ in work)
+    ids = torch.zeros(len(work), width, dtype=torch.long)
+    mask = torch.zeros(len(work), width, dtype=torch.long)
+    for row, (prompt, _) in enumerate(work):             # left padding
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    max_new = max(out for _, out in work)
+    with torch.no_grad(), Timer() as t:
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                             min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    generated = out.shape[1] - width
+    useful = sum(min(n, generated) for _, n in work)
+    del model
+    return {"requests": len(work), "seconds": round(t.seconds, 3), "useful_output_tokens": useful,
+            "useful_output_tok_s": round(useful / t.seconds, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b")
+    parser.add_argument("--num", type=int, default=256)
+    parser.add_argument("--subset", type=int, default=16)
+    parser.add_argument("--subset-max-out", type=int, default=256)
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    shapes = ["tiny"] if args.smoke else args.shapes.split(",")
+    num = 8 if args.smoke else args.num
+    work = random_workload(num, 100, 1024, 100, 1024) if not args.smoke else \
+        random_workload(num, 10, 40, 5, 20)
+    subset = [(p, min(o, args.subset_max_out)) for p, o in work[:args.subset if not args.smoke else 4]]
+    results = {}
+    for shape in shapes:
+        folder = shaped_model(shape, max_positions=4096)
+        kw = dict(load_format="dummy", tokenizer=smollm2(), device=device,
+                  dtype="bfloat16" if not args.smoke else "float32",
+                  max_num_seqs=256, max_model_len=2112)
+        with LLM(str(folder), **kw) as llm:
+            llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
+            results[shape] = {"astream": astream_run(llm, work),
+                              "astream_subset": astream_run(llm, subset)}
+        gc.collect()
+        if shape in ("qwen3-0.6b", "tiny"):
+            results[shape]["transformers_subset"] = hf_run(folder, subset, device)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        print(shape, results[shape])
+    save("throughput", {"workload": f"{num} requests, in/out uniform 100..1024, greedy, ignore_eos",
+                        "subset": f"first {len(subset)} requests, outputs capped at "
+                                  f"{args.subset_max_out}", **results}, smoke=args.smoke)
+    print(f"{'shape':<12} {'astream out tok/s':>18} {'subset astream':>15} {'subset HF':>10}")
+    for shape, r in results.items():
+        hf = r.get("transformers_subset", {}).get("useful_output_tok_s", "-")
+        print(f"{shape:<12} {r['astream']['output_tok_s']:>18} {r['astream_subset']['output_tok_s']:>15} "
+              f"{hf:>10}")
+
+
+if __name__ == "__main__":
+    main()

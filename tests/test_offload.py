@@ -1,0 +1,134 @@
+"""KV offload on the CPU: the real paging, ring, staging, tail and policy-hook logic."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from astream import LLM, Engine, SamplingParams
+from astream.policies import BlockOffload, SparsePolicy
+from tests.conftest import PROMPTS
+
+# Small blocks, slots and budgets so a short prompt already crosses every path:
+# chunked prefill, several ring jobs per layer, tails filling up during decode.
+OFFLOAD_KW = dict(device="cpu", dtype="float32", offload=True, kv_block_size=16, num_kv_blocks=512,
+                  max_model_len=1024, offload_slot_tokens=48, max_num_batched_tokens=40)
+GREEDY_64 = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def offload_llm():
+    llm = LLM(**OFFLOAD_KW)
+    yield llm
+    llm.close()
+
+
+def test_offload_gives_the_same_tokens_as_resident(smol_llm, offload_llm):
+    resident = smol_llm.generate(PROMPTS, GREEDY_64)
+    offloaded = offload_llm.generate(PROMPTS, GREEDY_64)
+    for prompt, a, b in zip(PROMPTS, resident, offloaded):
+        assert b.token_ids == a.token_ids, f"prompt {prompt!r}"
+    stats = offload_llm.stats()
+    assert stats["offload_bytes_loaded"] > 0 and stats["offload_bytes_offloaded"] > 0
+
+
+def test_batch_of_six_lengths_with_offload(smol_llm, offload_llm):
+    prompts = [" ".join(["word"] * n) for n in (1, 7, 16, 33, 70, 150)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert [o.token_ids for o in offload_llm.generate(prompts, params)] == \
+        [o.token_ids for o in smol_llm.generate(prompts, params)]
+
+
+def test_prompt_longer_than_the_ring(smol_llm, offload_llm):
+    prompt = "Here is a long list of fruit: " + ", ".join(["apple", "pear", "plum", "fig"] * 40)
+    ids = offload_llm.tokenizer(prompt)["input_ids"]
+    assert len(ids) > 3 * OFFLOAD_KW["offload_slot_tokens"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert offload_llm.generate([prompt], params)[0].token_ids == \
+        smol_llm.generate([prompt], params)[0].token_ids
+
+
+def test_random_qwen3_offload_matches_resident(tiny_qwen3):
+    prompt = [5, 17, 923, 4411, 8, 77, 1000, 12, 3, 250, 31, 64, 7] * 5
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(str(tiny_qwen3), device="cpu", num_kv_blocks=64) as resident, \
+            LLM(str(tiny_qwen3), device="cpu", offload=True, kv_block_size=16, num_kv_blocks=64,
+                offload_slot_tokens=32, max_num_batched_tokens=24) as offloaded:
+        assert offloaded.generate([prompt], params)[0].token_ids == \
+            resident.generate([prompt], params)[0].token_ids
+
+
+def test_small_host_pool_makes_requests_wait_without_corruption(smol_llm):
+    prompts = [f"Count from {i} to {i + 50}:" for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    expected = [o.token_ids for o in smol_llm.generate(prompts, params)]
+    with LLM(**{**OFFLOAD_KW, "num_kv_blocks": 12, "max_model_len": 192}) as small:
+        assert [o.token_ids for o in small.generate(prompts, params)] == expected
+        stats = small.stats()
+        assert stats["preemptions"] > 0
+        assert stats["kv_blocks_free"] == 12
+        with pytest.raises(ValueError, match="max_model_len"):
+            small.generate([list(range(100, 300))], params)
+
+
+class RecordingPolicy(SparsePolicy):
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, torch.Tensor]] = []
+
+    def on_block_offload(self, event: BlockOffload) -> None:
+        self.calls.append((event.host_block, event.layer, event.keys.clone()))
+
+
+def test_policy_hook_sees_each_block_once_per_layer_with_its_keys():
+    policy = RecordingPolicy()
+    prompts = ["A" + " story" * n for n in (10, 40, 75)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with LLM(**{**OFFLOAD_KW, "sparse_policy": policy}) as llm:
+        outs = llm.generate(prompts, params)
+        engine = llm.core.runner.offload
+        layers, bs = llm.core.model.decoder.config.num_layers, 16
+        full_blocks = sum((len(o.prompt_token_ids) + len(o.token_ids) - 1) // bs for o in outs)
+        seen = [(block, layer) for block, layer, _ in policy.calls]
+        assert len(seen) == len(set(seen)) == full_blocks * layers
+        for block, layer, keys in policy.calls:
+            assert torch.equal(engine.host_k[layer][block], keys)
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+@pytest.mark.anyio
+async def test_stream_cancel_and_abort_free_host_and_device_blocks(smol_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    expected = smol_llm.generate(["Tell me about the moon."], params)[0].token_ids
+    async with Engine(**OFFLOAD_KW) as engine:
+        idle = engine.stats()["kv_blocks_free"]
+        results = {}
+
+        async def full(name):
+            results[name] = [t.token_id async for t in engine.stream("Tell me about the moon.", params)]
+
+        async def leave(name):
+            async for tok in engine.stream("Tell me about the sun.", params, request_id=name):
+                if tok.index == 5:
+                    break
+
+        async def aborted(name):
+            async for tok in engine.stream("Tell me about stars.", params, request_id=name):
+                if tok.index == 3:
+                    await engine.abort(name)
+            results[name] = tok.finish_reason
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(full, "full")
+            group.start_soon(leave, "leave")
+            group.start_soon(aborted, "aborted")
+        assert results["full"] == expected
+        assert results["aborted"] == "abort"
+        for _ in range(100):
+            if engine.stats()["kv_blocks_free"] == idle:
+                break
+            await anyio.sleep(0.01)
+        stats = engine.stats()
+        assert stats["kv_blocks_free"] == idle and stats["offload_tail_blocks_used"] == 0
