@@ -32,6 +32,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0                    # tokens whose KV is written or scheduled
     num_cached_tokens: int = 0                      # prompt tokens served by the prefix cache
+    num_hashed_blocks: int = 0                      # leading blocks already published to the cache
     num_pending: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None

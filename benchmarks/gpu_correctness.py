@@ -1,18 +1,20 @@
-"""GPU correctness on the embedded model: bf16 on the GPU (CUDA graphs, and with KV offload)
-against the float32 CPU run, greedy, 5 prompts. Any divergence is shown with the logit
-margins of both runs at that step.
+"""GPU correctness on the embedded model: bf16 on the GPU (CUDA graphs, eager, and with KV
+offload) against the float32 CPU run, greedy, 5 prompts x 32 tokens. The CPU reference is
+computed once on a CPU machine (`--reference`) and stored in benchmarks/results; a
+divergence is shown with the GPU model's logit margin at that step.
 
-    python benchmarks/gpu_correctness.py            # on the GPU machine
-    python benchmarks/gpu_correctness.py --smoke    # CPU only, checks the script itself
+    python benchmarks/gpu_correctness.py --reference   # CPU machine: writes the reference
+    python benchmarks/gpu_correctness.py               # GPU machine: compares with it
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
-from common import save, smollm2  # noqa: I001  (sets sys.path)
+from common import RESULTS, save, smollm2  # noqa: I001  (sets sys.path)
 from astream import LLM, SamplingParams
 from astream.ops.attention import VarlenMeta, varlen_attention
 
@@ -23,6 +25,7 @@ PROMPTS = [
     "def fibonacci(n):",
     [{"role": "user", "content": "What is the capital of France?"}],
 ]
+REFERENCE = RESULTS / "cpu_reference_smollm2.json"
 
 
 def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -40,56 +43,45 @@ def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         return decoder.logits(hidden[-1:])[0].float().cpu()
 
 
-def divergence(reference: LLM, other: LLM, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
-    step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+def divergence(llm: LLM, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
+    step = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
     if step is None:
         return None
-    ids = prompt_ids + a[:step]
-    out = {"step": step, "reference_token": a[step], "other_token": b[step]}
-    for name, llm in (("reference", reference), ("other", other)):
-        logits = last_logits(llm, ids)
-        top2 = logits.topk(2).values
-        out[f"{name}_top2_margin"] = float(top2[0] - top2[1])
-        out[f"{name}_logit_gap_between_the_two"] = float(logits[a[step]] - logits[b[step]])
-    return out
+    logits = last_logits(llm, prompt_ids + ref[:step])
+    top2 = logits.topk(2).values
+    return {"step": step, "cpu_token": ref[step], "gpu_token": got[step],
+            "gpu_top2_margin": round(float(top2[0] - top2[1]), 4),
+            "gpu_logit_gap_gpu_minus_cpu_token": round(float(logits[got[step]] - logits[ref[step]]), 4)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--reference", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="CPU variants, checks the script")
     args = parser.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens)
-    model = smollm2()
-    runs = {}
-    with LLM(model, device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=2048) as cpu:
-        runs["cpu_fp32"] = cpu.generate(PROMPTS, params)
-        variants = {"gpu_bf16": dict(), "gpu_bf16_eager": dict(enforce_eager=True),
-                    "gpu_bf16_offload": dict(offload=True, max_model_len=4096)}
-        results = {}
-        for name, extra in variants.items():
-            kw = dict(device=device, dtype="bfloat16" if not args.smoke else "float32", **extra)
-            kw.setdefault("max_model_len", 2048)
-            with LLM(model, **kw) as llm:
-                outs = llm.generate(PROMPTS, params)
-                rows = []
-                for prompt, ref, got in zip(PROMPTS, runs["cpu_fp32"], outs):
-                    rows.append({"prompt": prompt if isinstance(prompt, str) else prompt[0]["content"],
-                                 "identical": ref.token_ids == got.token_ids,
-                                 "text": got.text,
-                                 "divergence": divergence(cpu, llm, ref.prompt_token_ids,
-                                                          ref.token_ids, got.token_ids)})
-                results[name] = rows
-    results["cpu_fp32"] = [{"text": o.text, "tokens": o.token_ids} for o in runs["cpu_fp32"]]
-    save("gpu_correctness", results, smoke=args.smoke)
-    print(f"{'variant':<18} identical prompts")
-    for name in variants:
-        same = sum(r["identical"] for r in results[name])
-        print(f"{name:<18} {same}/{len(PROMPTS)}")
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    if args.reference:
+        with LLM(smollm2(), device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=2048) as cpu:
+            outs = cpu.generate(PROMPTS, params)
+        REFERENCE.write_text(json.dumps([{"prompt_ids": o.prompt_token_ids, "tokens": o.token_ids,
+                                          "text": o.text} for o in outs], indent=1))
+        return
+    reference = json.loads(REFERENCE.read_text())
+    device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    variants = {"gpu_bf16_graphs": {}, "gpu_bf16_eager": {"enforce_eager": True},
+                "gpu_bf16_offload": {"offload": True}}
+    results = {}
+    for name, extra in variants.items():
+        with LLM(smollm2(), device=device, dtype=dtype, max_model_len=2048, **extra) as llm:
+            outs = llm.generate([r["prompt_ids"] for r in reference], params)
+            results[name] = [{"identical": ref["tokens"] == out.token_ids, "text": out.text,
+                              "divergence": divergence(llm, ref["prompt_ids"], ref["tokens"], out.token_ids)}
+                             for ref, out in zip(reference, outs)]
+        print(name, sum(r["identical"] for r in results[name]), "/", len(reference), "identical", flush=True)
         for r in results[name]:
             if r["divergence"]:
-                print("   diverges:", r["prompt"][:30], r["divergence"])
+                print("   ", r["divergence"], flush=True)
+    save("gpu_correctness", results, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,19 @@ def test_uncached_blocks_are_allocated_before_cached_ones():
     assert kept not in other.block_table
 
 
+def test_blocks_come_in_ascending_runs_after_reuse():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    first = seq("a", list(range(40)))
+    bm.grow(first, 40)
+    bm.release(first)
+    second = seq("b", list(range(100)))
+    bm.grow(second, 100)
+    table = second.block_table
+    breaks = sum(1 for x, y in zip(table, table[1:]) if y != x + 1)
+    assert breaks <= 1, table        # at most one jump, from the reused run to the fresh one
+    assert table[:10] == list(range(10))
+
+
 # ---- scheduler -----------------------------------------------------------------------
 
 def test_chunked_prefill_respects_token_budget():

@@ -66,6 +66,7 @@ class BlockManager:
             seq.block_table.append(block_id)
             hits += 1
         self.prefix_hits += hits
+        seq.num_hashed_blocks = hits
         seq.num_cached_tokens = hits * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         return seq.num_cached_tokens
@@ -80,14 +81,16 @@ class BlockManager:
             return
         known = seq.num_tokens - seq.num_pending
         full = min(num_written, known, len(seq.block_table) * self.block_size) // self.block_size
-        prev_hash = None
-        for index in range(full):
+        start = seq.num_hashed_blocks
+        prev_hash = self.blocks[seq.block_table[start - 1]].hash if start else None
+        for index in range(start, full):
             block = self.blocks[seq.block_table[index]]
             if block.hash is None:
                 tokens = tuple(seq.token_slice(index * self.block_size, (index + 1) * self.block_size))
                 block.hash, block.token_ids = _chain(prev_hash, tokens), tokens
                 self.cached.setdefault(block.hash, block.block_id)
             prev_hash = block.hash
+        seq.num_hashed_blocks = max(start, full)
 
     # ---- allocation -----------------------------------------------------------------
 
@@ -100,22 +103,35 @@ class BlockManager:
         if need > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free} free")
         for _ in range(max(need, 0)):
-            block_id = next(iter(self.free))
+            block_id = self._pick(seq.block_table[-1] + 1 if seq.block_table else None)
             self._evict(block_id)
             self._take(block_id)
             seq.block_table.append(block_id)
 
+    def _pick(self, wanted: int | None) -> int:
+        # Consecutive ids make one copy of many blocks when KV moves between host and
+        # device; otherwise take the least recently freed block.
+        if wanted is not None and wanted in self.free:
+            return wanted
+        return next(iter(self.free))
+
     def release(self, seq: Sequence) -> None:
-        """Drop seq's references; blocks nobody holds return to the free list."""
-        for block_id in reversed(seq.block_table):
+        """Drop seq's references; blocks nobody holds return to the free list.
+
+        In table order, so a later sequence taking them gets them in ascending runs."""
+        unhashed = []
+        for block_id in seq.block_table:
             block = self.blocks[block_id]
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block_id} released twice"
             if block.ref_count == 0:
                 self.free[block_id] = None
                 if block.hash is None:
-                    self.free.move_to_end(block_id, last=False)   # nothing to keep: reuse first
+                    unhashed.append(block_id)
+        for block_id in reversed(unhashed):                 # nothing to keep: reuse these first
+            self.free.move_to_end(block_id, last=False)
         seq.block_table = []
+        seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
 
