@@ -159,11 +159,17 @@ class Engine:
         if handle is not None:
             self._abort_handle(handle)
 
+    @property
+    def running(self) -> bool:
+        """True between start and close, unless an internal fault stopped the engine."""
+        return self.core is not None and self._fault is None
+
     def stats(self) -> dict:
         if self.core is None:
             raise EngineClosedError("the engine is not running")
         stats = self.core.stats()
         stats["requests"] = len(self._ctx.registry.handles)
+        stats["fault"] = None if self._fault is None else repr(self._fault)
         return stats
 
     @property

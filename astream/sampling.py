@@ -27,11 +27,13 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               f"temperature must be >= 0, got {self.temperature!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-               f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0,
+               f"temperature must be a number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be a number in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -52,6 +54,10 @@ class SamplingParams:
             raise ValueError(f"unknown sampling params: {sorted(unknown)}; "
                              f"known: {sorted(cls.__dataclass_fields__)}")
         return cls(**params)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _is_int(x: object) -> bool:

@@ -16,6 +16,10 @@ from astream.kvcache.block_manager import BlockManager
 from astream.sequence import Sequence, SequenceStatus
 
 
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for a new token within max_model_len."""
+
+
 @dataclass(slots=True, frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -64,7 +68,7 @@ class Scheduler:
 
     def check_prompt_length(self, num_tokens: int) -> None:
         if num_tokens >= self.config.max_model_len:
-            raise ValueError(f"prompt has {num_tokens} tokens but max_model_len is "
+            raise PromptTooLongError(f"prompt has {num_tokens} tokens but max_model_len is "
                              f"{self.config.max_model_len} (prompt plus at least one new token "
                              "must fit)")
 

@@ -186,3 +186,22 @@ async def test_graph_is_printable_and_names_every_stage():
         text = engine.graph
     for name in ("tokenize", "admit", "schedule", "forward", "offload", "emit"):
         assert name in text
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+@pytest.mark.anyio
+async def test_a_crashing_stage_stops_the_engine_cleanly(monkeypatch):
+    from astream.core import EngineCore
+    from astream.engine import EngineClosedError
+
+    def broken_process(self, output):
+        raise RuntimeError("bug in output processing")
+
+    async with Engine(**ENGINE_KW) as engine:
+        monkeypatch.setattr(EngineCore, "process", broken_process)
+        ids, text, reasons = await collect(engine, "Hello", SamplingParams(max_tokens=4))
+        assert reasons[-1] == "error"
+        assert not engine.running
+        assert "bug in output processing" in engine.stats()["fault"]
+        with pytest.raises(EngineClosedError):
+            await engine.generate("again")

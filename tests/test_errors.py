@@ -90,3 +90,16 @@ def test_unsupported_architecture_lists_supported(tiny_qwen3, tmp_path):
 def test_max_model_len_beyond_cache_says_what_fits():
     with pytest.raises(ValueError, match=r"does not fit.*4 blocks x 16 tokens = 64"):
         LLM(device="cpu", num_kv_blocks=4, max_model_len=1024)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": True}, {"top_p": True}, {"stop_token_ids": ["5"]},
+                                    {"stop_token_ids": [5.7]}, {"stop_token_ids": [-1]}])
+def test_sampling_params_reject_wrong_types(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_has_its_own_type(smol_llm):
+    from astream.scheduler import PromptTooLongError
+    with pytest.raises(PromptTooLongError):
+        smol_llm.generate([list(range(100, 2200))], SamplingParams(max_tokens=4))

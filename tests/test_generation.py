@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from astream import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)

@@ -8,22 +8,25 @@ the caller asks for, and renamed and reshaped to the Hugging Face layout.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import re
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from math import prod
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
 
 from astream.models.dequant import SUPPORTED_QUANT_TYPES, dequantize
+from astream.models.gguf_layout import (
+    SUPPORTED_GGUF_TENSOR_TYPES,  # noqa: F401  (part of this module's API)
+    corrupt_file_error,
+    unsupported_type_error,
+    validate_layout,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,7 +34,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-SUPPORTED_GGUF_TENSOR_TYPES = tuple(t.name for t in SUPPORTED_QUANT_TYPES)
 
 _HF_ARCHITECTURES = MappingProxyType(
     {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -64,155 +66,6 @@ _IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-# --------------------------------------------------------------------------
-# Layout validation: walk the header ourselves, bounded by the file size.
-# GGUFReader trusts every length field, so a truncated file fails deep inside
-# numpy and a corrupt array count can make it loop for a very long time.
-# --------------------------------------------------------------------------
-
-_SCALAR_SIZES = MappingProxyType(
-    {
-        GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-        GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-        GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-        GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
-    }
-)
-_MAX_DIMS = 4
-
-
-class _LayoutError(Exception):
-    """The file's own length fields point past its end or make no sense."""
-
-
-class _Cursor:
-    __slots__ = ("buf", "pos")
-
-    def __init__(self, buf: mmap.mmap) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def take(self, n: int) -> int:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise _LayoutError(
-                f"a field at byte {self.pos} needs {n} bytes but the file ends at byte {len(self.buf)}"
-            )
-        start, self.pos = self.pos, self.pos + n
-        return start
-
-    def u32(self) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4))[0]
-
-    def u64(self) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8))[0]
-
-    def string(self) -> bytes:
-        n = self.u64()
-        start = self.take(n)
-        return self.buf[start : start + n]
-
-
-def _skip_value(cur: _Cursor, raw_type: int) -> None:
-    try:
-        vtype = GGUFValueType(raw_type)
-    except ValueError:
-        raise _LayoutError(f"unknown metadata value type {raw_type} at byte {cur.pos}") from None
-    if vtype == GGUFValueType.STRING:
-        cur.take(cur.u64())
-    elif vtype == GGUFValueType.ARRAY:
-        item_type, count = cur.u32(), cur.u64()
-        if item_type in _SCALAR_SIZES:
-            cur.take(count * _SCALAR_SIZES[GGUFValueType(item_type)])
-        else:
-            for _ in range(count):  # each item takes >= 8 bytes, so this ends with the file
-                _skip_value(cur, item_type)
-    else:
-        cur.take(_SCALAR_SIZES[vtype])
-
-
-def _read_metadata_layout(cur: _Cursor) -> tuple[int, int]:
-    """Check magic, version and key/values; return (tensor_count, alignment)."""
-    start = cur.take(4)
-    if cur.buf[start : start + 4] != b"GGUF":
-        raise _LayoutError("it does not start with the GGUF magic bytes")
-    version = cur.u32()
-    if version & 0xFFFF == 0:
-        raise _LayoutError("it is a big-endian GGUF file, which astream cannot read")
-    if version not in (2, 3):
-        raise _LayoutError(f"GGUF version {version} is not supported (2 and 3 are)")
-    tensor_count, kv_count = cur.u64(), cur.u64()
-    alignment = 32
-    for _ in range(kv_count):
-        key = cur.string()
-        raw_type = cur.u32()
-        if key == b"general.alignment" and raw_type == GGUFValueType.UINT32:
-            alignment = cur.u32()
-        else:
-            _skip_value(cur, raw_type)
-    if alignment <= 0 or alignment & (alignment - 1):
-        raise _LayoutError(f"general.alignment {alignment} is not a power of two")
-    return tensor_count, alignment
-
-
-def _check_tensor_layout(cur: _Cursor, tensor_count: int, alignment: int) -> None:
-    infos = []
-    for _ in range(tensor_count):
-        name = cur.string().decode("utf-8", errors="replace")
-        n_dims = cur.u32()
-        if n_dims > _MAX_DIMS:
-            raise _LayoutError(f"tensor {name!r} claims {n_dims} dimensions")
-        dims = [cur.u64() for _ in range(n_dims)]
-        infos.append((name, dims, cur.u32(), cur.u64()))
-    data_start = -(-cur.pos // alignment) * alignment
-    for name, dims, raw_type, offset in infos:
-        try:
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
-        except (ValueError, KeyError):
-            raise _UnknownTensorType(name, raw_type) from None
-        if dims and dims[0] % block_size:
-            raise _LayoutError(f"tensor {name!r} has rows that do not fill whole blocks")
-        end = data_start + offset + prod(dims) // block_size * type_size
-        if end > len(cur.buf):
-            raise _LayoutError(
-                f"tensor {name!r} ends at byte {end} but the file has only {len(cur.buf)} bytes"
-            )
-
-
-class _UnknownTensorType(Exception):
-    def __init__(self, name: str, raw_type: int) -> None:
-        super().__init__(name, raw_type)
-        self.name, self.raw_type = name, raw_type
-
-
-def _corrupt(path: str, reason: object) -> ValueError:
-    return ValueError(
-        f"GGUF file {path} is truncated or corrupt ({reason}); download or convert it again"
-    )
-
-
-def _unsupported_type(path: str, tensor: str, type_name: str) -> ValueError:
-    return ValueError(
-        f"tensor {tensor!r} in {path} has GGUF type {type_name}, which astream cannot dequantize; "
-        f"supported tensor types: {', '.join(SUPPORTED_GGUF_TENSOR_TYPES)} "
-        "(re-quantize the model to one of them)"
-    )
-
-
-def _validate_layout(path: str) -> None:
-    """Raise ValueError unless every header field and tensor lies inside the file."""
-    if os.path.getsize(path) == 0:
-        raise _corrupt(path, "the file is empty")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _Cursor(buf)
-        try:
-            tensor_count, alignment = _read_metadata_layout(cur)
-            _check_tensor_layout(cur, tensor_count, alignment)
-        except _LayoutError as exc:
-            raise _corrupt(path, exc) from None
-        except _UnknownTensorType as exc:
-            raise _unsupported_type(path, exc.name, f"id {exc.raw_type}") from None
-
-
 def _check_path(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -223,7 +76,7 @@ def _check_path(path: str | os.PathLike) -> str:
 
 
 def _open_reader(path: str) -> GGUFReader:
-    _validate_layout(path)
+    validate_layout(path)
     try:
         # Copy-on-write: numpy views are writable (torch.from_numpy needs
         # that) while the file itself can never be modified.
@@ -231,7 +84,7 @@ def _open_reader(path: str) -> GGUFReader:
     except OSError:
         raise
     except Exception as exc:  # any parse failure means a malformed file
-        raise _corrupt(path, exc) from exc
+        raise corrupt_file_error(path, exc) from exc
 
 
 # --------------------------------------------------------------------------
@@ -287,7 +140,7 @@ def _hf_config(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
     required = ("embedding_length", "attention.head_count", "block_count")
     missing = [f"{arch}.{k}" for k in required if f"{arch}.{k}" not in reader.fields]
     if missing:
-        raise _corrupt(path, f"metadata lacks {', '.join(missing)}")
+        raise corrupt_file_error(path, f"metadata lacks {', '.join(missing)}")
     hidden = _field(reader, f"{arch}.embedding_length")
     heads = _field(reader, f"{arch}.attention.head_count")
     vocab = _field(reader, f"{arch}.vocab_size")
@@ -365,7 +218,7 @@ def _tensor_specs(reader: GGUFReader, arch: str, cfg: dict[str, Any], path: str)
                 f"{arch} model as astream knows it; the file may be for another architecture"
             )
         if t.tensor_type not in SUPPORTED_QUANT_TYPES:
-            raise _unsupported_type(path, t.name, t.tensor_type.name)
+            raise unsupported_type_error(path, t.name, t.tensor_type.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         raw = np.asarray(t.data).reshape(-1).view(np.uint8)
         specs.append(_TensorSpec(hf_name, t.tensor_type, shape, raw, _rope_heads(t.name, arch, cfg)))
@@ -425,7 +278,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     try:
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     except Exception:
-        _validate_layout(path)  # a malformed file gets our clear message instead
+        validate_layout(path)  # a malformed file gets our clear message instead
         raise
     if not tok.chat_template:
         template = _field(_open_reader(path), "tokenizer.chat_template")

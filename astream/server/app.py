@@ -64,7 +64,9 @@ class StreamServer:
 
     def health(self) -> dict:
         try:
-            stats, status = self.engine.stats(), "shutting_down" if self.closing else "ok"
+            stats = self.engine.stats()
+            status = ("engine_stopped" if not self.engine.running
+                      else "shutting_down" if self.closing else "ok")
         except EngineClosedError:
             stats, status = {}, "engine_stopped"
         return {"status": status, "protocol": PROTOCOL_VERSION, "connections": len(self._sessions),

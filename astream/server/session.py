@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed
 
 from astream.engine import EngineClosedError, RequestStream
 from astream.outputs import StreamToken
+from astream.scheduler import PromptTooLongError
 from astream.server import protocol as p
 from astream.stages.requests import Progress
 
@@ -178,6 +179,4 @@ class Session:
 
 
 def _prompt_error_code(exc: ValueError) -> str:
-    # The engine raises a plain ValueError for every bad prompt; only its message tells
-    # "too long for max_model_len" apart. An engine-side subclass would be sturdier.
-    return p.PROMPT_TOO_LONG if "max_model_len" in str(exc) else p.INVALID_PROMPT
+    return p.PROMPT_TOO_LONG if isinstance(exc, PromptTooLongError) else p.INVALID_PROMPT

@@ -5,7 +5,7 @@ from __future__ import annotations
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from astream.runtime.events import run_off_loop
-from astream.stages.context import Admission, StageContext, Submission
+from astream.stages.context import Admission, StageContext
 
 
 async def tokenize_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
