@@ -12,23 +12,45 @@ from dataclasses import dataclass, field
 
 from astream.sampling import SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:                                  # tokenizers < 0.21
+    DecodeStream = None
+
 _CONTEXT_TOKENS = 4     # prompt tokens decoded before the output, for correct leading spaces
 
 
 @dataclass(slots=True)
 class IncrementalDetokenizer:
+    """Token ids in, text out, one token at a time.
+
+    With a fast (Rust) tokenizer this steps a `tokenizers` DecodeStream: one call per
+    token that holds back incomplete characters itself. Otherwise it decodes a small
+    sliding window twice per token and compares.
+    """
+
     tokenizer: object
     ids: list[int]
     prefix_offset: int
     read_offset: int
+    stream: object = None            # tokenizers.decoders.DecodeStream, when available
+    backend: object = None           # the tokenizers.Tokenizer it steps with
 
     @classmethod
     def start(cls, tokenizer, prompt_ids: list[int]) -> "IncrementalDetokenizer":
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
-        return cls(tokenizer, context, 0, len(context))
+        detok = cls(tokenizer, context, 0, len(context))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and DecodeStream is not None:
+            detok.stream, detok.backend = DecodeStream(skip_special_tokens=True), backend
+            for token_id in context:                 # prime it: leading spaces depend on context
+                detok.stream.step(backend, token_id)
+        return detok
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
+        if self.stream is not None:
+            return self.stream.step(self.backend, token_id) or ""
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -38,6 +60,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Complete text still held back; a trailing incomplete character is dropped."""
+        if self.stream is not None:
+            return ""                                # the stream holds back only partial characters
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:]).rstrip("\ufffd")
         self.prefix_offset = self.read_offset = len(self.ids)
