@@ -88,13 +88,16 @@ class Engine:
             self._task_group.cancel_scope.cancel()
 
     def _end_all(self, reason: str, error: str | None) -> None:
-        registry = self._ctx.registry
-        for handle in list(registry.handles.values()):
-            event = self.core.finish(handle.request_id, reason, error) if handle.seq is not None else None
-            if event is not None:
-                registry.deliver(event)
-            else:
-                registry.end_unadmitted(handle, reason)
+        for handle in list(self._ctx.registry.handles.values()):
+            self._end_handle(handle, reason, error)
+
+    def _end_handle(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
+        """Finish a live request wherever it is: in the core, or still queued before it."""
+        event = self.core.finish(handle.request_id, reason, error) if handle.seq is not None else None
+        if event is not None:
+            self._ctx.registry.deliver(event)
+        else:
+            self._ctx.registry.end_unadmitted(handle, reason)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -187,14 +190,9 @@ class Engine:
         return handle
 
     def _abort_handle(self, handle: RequestHandle) -> None:
-        registry = self._ctx.registry
-        if registry.handles.get(handle.request_id) is not handle:
+        if self._ctx.registry.handles.get(handle.request_id) is not handle:
             return
-        event = self.core.finish(handle.request_id, "abort") if handle.seq is not None else None
-        if event is not None:
-            registry.deliver(event)
-        else:
-            registry.end_unadmitted(handle, "abort")
+        self._end_handle(handle, "abort")
         self._ctx.wake.notify()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from astream.executor.inputs import to_device, varlen_meta
 from astream.ops.attention import VarlenMeta
 from astream.scheduler import ScheduledBatch
 from astream.sequence import SequenceStatus
@@ -117,7 +118,7 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
     num_prefill = chunk_cu[-1]
     return OffloadStepPlan(
         jobs=jobs, num_prefill_tokens=num_prefill,
-        chunk_meta=_meta(chunk_cu, chunk_cu, device) if prefill else None,
+        chunk_meta=varlen_meta(chunk_cu, chunk_cu, device) if prefill else None,
         staging_rows=_tensor(staging_rows, torch.int64, device),
         staging_index=_tensor(staging_index, torch.int64, device),
         tail_rows=_tensor(tail_rows, torch.int64, device),
@@ -168,7 +169,7 @@ def _finalize(job: JobTemplate, bs: int, device: torch.device) -> None:
     if job.prefill_rows:
         cu_k = [c * bs for c in job.prefill_cu_k]
         job.prefill_index = _tensor(job.prefill_rows, torch.int64, device)
-        job.prefill_meta = _meta(job.prefill_cu_q, cu_k, device)
+        job.prefill_meta = varlen_meta(job.prefill_cu_q, cu_k, device)
     if job.decode_rows:
         width = max(len(t) for t in job.decode_tables)
         job.decode_index = _tensor(job.decode_rows, torch.int64, device)
@@ -179,15 +180,5 @@ def _finalize(job: JobTemplate, bs: int, device: torch.device) -> None:
         job.decode_max = max(lens)
 
 
-def _meta(cu_q: list[int], cu_k: list[int], device: torch.device) -> VarlenMeta:
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
-    return VarlenMeta(_tensor(cu_q, torch.int32, device), _tensor(cu_k, torch.int32, device),
-                      max(q_lens), max(k_lens), list(cu_q), list(cu_k))
-
-
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    if not values:
-        return None
-    tensor = torch.tensor(values, dtype=dtype)
-    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)
+    return to_device(values, dtype, device) if values else None

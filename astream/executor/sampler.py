@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from astream.executor.inputs import to_device
 from astream.scheduler import ScheduledSeq
 
 _MASK64 = (1 << 64) - 1
@@ -38,9 +39,9 @@ def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: tor
     any_top_k = any(k < vocab_size for k, t in zip(top_k, temps) if t > 0)
     any_top_p = any(p < 1.0 for p, t in zip(top_p, temps) if t > 0)
     return SamplingBatch(
-        temperatures=torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True),
-        top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True) if any_top_k else None,
-        top_p=torch.tensor(top_p, dtype=torch.float32).to(device, non_blocking=True) if any_top_p else None,
+        temperatures=to_device(temps, torch.float32, device),
+        top_k=to_device(top_k, torch.int64, device) if any_top_k else None,
+        top_p=to_device(top_p, torch.float32, device) if any_top_p else None,
         all_greedy=all(t == 0 for t in temps),
         seeded_rows=seeded)
 

@@ -34,10 +34,6 @@ class PagedKVCache:
     def scratch_slot(self) -> int:
         return self.num_blocks * self.block_size
 
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return config.kv_bytes_per_token * block_size * torch.empty((), dtype=dtype).element_size()
-
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k/v [T, kv_heads, head_dim] at flat slot indices [T] (block * block_size + offset)."""
         self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
