@@ -193,13 +193,22 @@ class EngineCore:
         output.ready.synchronize()
         return self.process(output)
 
+    def close(self) -> None:
+        """Wait for the device, then give back what the engine pinned in host memory."""
+        self.runtime.synchronize()
+        if self.runner.offload is not None:
+            self.runner.offload.free_host_pool()
+        self.runtime.close()
+
     def stats(self) -> dict:
         blocks = self.scheduler.blocks
         return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_free": blocks.num_free,
                 "kv_block_size": blocks.block_size, "prefix_cache_hits": blocks.prefix_hits,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "steps": self.scheduler.steps, "preemptions": self.scheduler.preemptions,
-                "max_model_len": self.plan.max_model_len, "offload": self.config.offload,
+                "max_model_len": self.plan.max_model_len,
+                "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+                "offload": self.config.offload,
                 **self._offload_stats()}
 
     def _offload_stats(self) -> dict:

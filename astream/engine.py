@@ -61,8 +61,7 @@ class Engine:
         await self._task_group.__aexit__(None, None, None)
         self._task_group = None
         self._end_all("abort", None)
-        self.core.runtime.synchronize()
-        self.core.runtime.close()
+        self.core.close()
         self.core = self._ctx = self._submit = None
         gc.collect()
         if torch.cuda.is_available():

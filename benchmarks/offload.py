@@ -19,9 +19,11 @@ import time
 import traceback
 
 import anyio
+import anyio.abc
 import torch
 
 from common import Timer, percentile, save, shaped_model, smollm2  # noqa: I001
+from copy_overlap import trace_overlap
 from astream import Engine, SamplingParams
 
 GiB = 2**30
@@ -41,23 +43,36 @@ def bandwidth() -> dict:
     return result
 
 
-async def one_case(engine: Engine, ctx: int, batch: int, decode_tokens: int, seed: int) -> dict:
+def random_prompts(ctx: int, batch: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(100, 49152, (ctx,), generator=gen).tolist() for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True)
+    return [torch.randint(100, 49152, (ctx,), generator=gen).tolist() for _ in range(batch)]
+
+
+async def one_case(engine: Engine, ctx: int, batch: int, decode_tokens: int, seed: int) -> dict:
+    """Prefill `batch` prompts of `ctx` tokens, then time decode steps while all of them decode.
+
+    Sequences that finish prefill first decode during the others' prefill, so each asks for
+    enough tokens to still be running for `decode_tokens` steps once all decode; the case
+    ends (the rest are cancelled) when the first one finishes.
+    """
+    prompts = random_prompts(ctx, batch, seed)
+    chunk = engine.stats()["max_num_batched_tokens"]
+    params = SamplingParams(temperature=0.0, ignore_eos=True,
+                            max_tokens=decode_tokens + (batch - 1) * -(-ctx // chunk) + 2)
     stamps: list[list[float]] = [[] for _ in range(batch)]
     stats0 = engine.stats()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
-    async def consume(i: int) -> None:
+    async def consume(i: int, group: anyio.abc.TaskGroup) -> None:
         async for _ in engine.stream(prompts[i], params):
             stamps[i].append(time.perf_counter())
+        group.cancel_scope.cancel()
 
     start = time.perf_counter()
     async with anyio.create_task_group() as group:
         for i in range(batch):
-            group.start_soon(consume, i)
+            group.start_soon(consume, i, group)
     stats1 = engine.stats()
     all_decoding = max(s[0] for s in stamps)
     tail = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= all_decoding]
@@ -65,19 +80,40 @@ async def one_case(engine: Engine, ctx: int, batch: int, decode_tokens: int, see
     return {"context": ctx, "batch": batch, "prefill_s": round(prefill_s, 3),
             "prefill_tok_s": round(ctx * batch / prefill_s, 1),
             "decode_step_ms": round(percentile(tail, 50) * 1e3, 2) if tail else None,
+            "decode_steps_timed": len(tail) // batch,
             "bytes_loaded": stats1.get("offload_bytes_loaded", 0) - stats0.get("offload_bytes_loaded", 0),
             "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / GiB, 2)
             if torch.cuda.is_available() else None}
 
 
-async def engine_cases(config: dict, cases: list[tuple[int, int]], decode_tokens: int) -> list[dict]:
-    rows = []
+async def warm_up(engine: Engine, chunk: int) -> None:
+    """Two prefill chunks and a few decode steps: compiles and first-use costs stay out of the cases."""
+    prompt = random_prompts(chunk + chunk // 2, 1, seed=99)[0]
+    await engine.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+async def traced_prefill(engine: Engine, ctx: int) -> dict:
+    """Copy time hidden under compute during one prefill of `ctx` tokens (profiler trace)."""
+    from torch.profiler import ProfilerActivity, profile
+    prompt = random_prompts(ctx, 1, seed=77)[0]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        await engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        torch.cuda.synchronize()
+    return {"context": ctx, **trace_overlap(prof)}
+
+
+async def engine_cases(config: dict, cases: list[tuple[int, int]], decode_tokens: int,
+                       trace_ctx: int = 0) -> dict:
+    rows, result = [], {}
     async with Engine(**config) as engine:
-        await engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        await warm_up(engine, engine.stats().get("max_num_batched_tokens") or 2048)
         for i, (ctx, batch) in enumerate(cases):
             rows.append(await one_case(engine, ctx, batch, decode_tokens, seed=i))
             print(rows[-1], flush=True)
-    return rows
+        if trace_ctx:
+            result["prefill_copy_overlap"] = await traced_prefill(engine, trace_ctx)
+            print(result["prefill_copy_overlap"], flush=True)
+    return {"rows": rows, **result}
 
 
 def hf_offloaded_cache(folder, ctx: int, new_tokens: int) -> dict:
@@ -118,28 +154,33 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--skip", default="", help="comma list of sections to skip")
+    parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
     args = parser.parse_args()
     smoke, skip = args.smoke, set(args.skip.split(","))
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
     folder = shaped_model(shape, max_positions=max_pos)
-    base = dict(model=str(folder), load_format="dummy", tokenizer=smollm2(),
+    base = dict(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
                 device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
                 max_num_seqs=4, max_model_len=max_pos)
-    cases = [(256, 1), (256, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    if not smoke:
+        base["max_num_batched_tokens"] = 16384       # the same prefill chunks in both modes
     decode_tokens = 6 if smoke else 17
+    # 128K x 4 needs 77 GB of KV: offload only (the host pool is sized for it).
+    resident_cases = [(256, 1), (256, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    offload_cases = resident_cases + ([(512, 2)] if smoke else [(131072, 4)])
+    offload_cfg = {**base, "offload": True, **({"kv_block_size": 16, "offload_slot_tokens": 64}
+                                                 if smoke else {"num_kv_blocks": 2080})}
     results: dict = {"shape": shape, "cases": "(context, batch)"}
     if not smoke:
         section(results, "bandwidth", bandwidth)
-    if not smoke:
-        base["max_num_batched_tokens"] = 16384       # the same prefill chunks in both modes
-    offload_cfg = {**base, "offload": True, **({"kv_block_size": 16, "offload_slot_tokens": 64}
-                                                 if smoke else {"num_kv_blocks": 600})}
-    runner = (lambda cfg: anyio.run(engine_cases, cfg, cases, decode_tokens))
     if "offload" not in skip:
-        section(results, "offload", runner, offload_cfg)
+        trace_ctx = 0 if smoke else 65536
+        section(results, "offload", lambda: anyio.run(engine_cases, offload_cfg, offload_cases,
+                                                      decode_tokens, trace_ctx))
+        save("offload", results, smoke=smoke)
     if "resident" not in skip:
-        section(results, "resident", runner, base)
-    save("offload", results, smoke=smoke)
+        section(results, "resident", lambda: anyio.run(engine_cases, base, resident_cases, decode_tokens))
+        save("offload", results, smoke=smoke)
     if not smoke and "hf" not in skip:
         section(results, "transformers_32k", hf_offloaded_cache, folder, 32768, 8)
         save("offload", results)
@@ -156,17 +197,18 @@ def main() -> None:
 def summarize(results: dict, smoke: bool) -> None:
     h2d = results.get("bandwidth", {}).get("h2d_GBps")
     kv_per_token = 147456                            # Qwen3-4B: 36 layers x 8 heads x 128 x 2 x 2 bytes
-    for mode in ("offload", "resident"):
-        for row in results.get(mode, []) if isinstance(results.get(mode), list) else []:
-            if h2d and mode == "offload":
-                floor_ms = row["context"] * row["batch"] * kv_per_token / (h2d * 1e9) * 1e3
-                row["floor_ms"] = round(floor_ms, 1)
-                if row["decode_step_ms"]:
-                    row["step_over_floor"] = round(row["decode_step_ms"] / floor_ms, 3)
-    off, res = results.get("offload"), results.get("resident")
-    if isinstance(off, list) and isinstance(res, list):
-        results["prefill_offload_vs_resident"] = [
-            round(a["prefill_tok_s"] / b["prefill_tok_s"], 3) for a, b in zip(off, res)]
+    rows = {mode: results[mode].get("rows", []) if isinstance(results.get(mode), dict) else []
+            for mode in ("offload", "resident")}
+    for row in rows["offload"]:
+        if h2d:
+            floor_ms = row["context"] * row["batch"] * kv_per_token / (h2d * 1e9) * 1e3
+            row["floor_ms"] = round(floor_ms, 1)
+            if row["decode_step_ms"]:
+                row["step_over_floor"] = round(row["decode_step_ms"] / floor_ms, 3)
+    resident = {(r["context"], r["batch"]): r for r in rows["resident"]}
+    results["prefill_offload_vs_resident"] = {
+        f"{a['context']}x{a['batch']}": round(a["prefill_tok_s"] / resident[key]["prefill_tok_s"], 3)
+        for a in rows["offload"] if (key := (a["context"], a["batch"])) in resident}
     save("offload", results, smoke=smoke)
     for key, value in results.items():
         print(f"{key}: {value}")

@@ -132,3 +132,19 @@ async def test_stream_cancel_and_abort_free_host_and_device_blocks(smol_llm):
             await anyio.sleep(0.01)
         stats = engine.stats()
         assert stats["kv_blocks_free"] == idle and stats["offload_tail_blocks_used"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_pool_pins_exactly_its_size_and_unpins_on_close(tiny_qwen3):
+    from astream.runtime.pinned import PinnedHostTensor
+    odd = PinnedHostTensor((3, 1000, 7), torch.bfloat16, pin=True)    # 42,000 bytes, not a power of 2
+    assert odd.tensor.is_pinned() and odd.tensor.untyped_storage().nbytes() == 42000
+    odd.release()
+    assert not odd.tensor.is_pinned() and not odd.pinned
+    with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", offload=True, kv_block_size=16,
+             num_kv_blocks=100, offload_slot_tokens=32) as llm:
+        pool = llm.engine.core.runner.offload.host_pool
+        assert pool.pinned and pool.tensor.is_pinned()
+        out = llm.generate([[5, 17, 923, 4411] * 20], SamplingParams(temperature=0.0, max_tokens=8))
+        assert len(out[0].token_ids) == 8
+    assert not pool.pinned and not pool.tensor.is_pinned()

@@ -1,7 +1,8 @@
 """OffloadEngine: the only place where KV crosses between host and device.
 
 Memory it owns:
-- host pool: k/v per layer, [host_blocks, block_size, kv_heads, head_dim], pinned on CUDA;
+- host pool: k/v per layer, [host_blocks, block_size, kv_heads, head_dim], views of one
+  allocation pinned on CUDA (exactly its size; see runtime/pinned.py);
 - ring: `num_slots` device buffers a layer's host KV is loaded into;
 - staging: two device buffers new KV is written to before it leaves for the host;
 - tails: one device block per running sequence and layer, holding its newest,
@@ -24,6 +25,7 @@ import torch
 from astream.models.config import ModelConfig
 from astream.policies.base import BlockOffload, SparsePolicy
 from astream.runtime.device import DeviceRuntime
+from astream.runtime.pinned import PinnedHostTensor
 
 Run = tuple[int, int, int]          # (source first block, destination first block, blocks)
 
@@ -46,6 +48,7 @@ class OffloadEngine:
     staging: list[tuple[torch.Tensor, torch.Tensor]]
     tail_k: list[torch.Tensor]      # per layer [max_seqs + 1, block_size, kv_heads, head_dim]
     tail_v: list[torch.Tensor]
+    host_pool: PinnedHostTensor | None = None   # owns host_k/host_v's memory
     h2d: object = None
     d2h: object = None
     offloaded: list = field(default_factory=list)     # per layer: its latest D2H event
@@ -63,16 +66,15 @@ class OffloadEngine:
         def buffers(n: int, count: int, where) -> list[torch.Tensor]:
             return [torch.zeros((n, *shape), dtype=dtype, device=where) for _ in range(count)]
 
-        def host_buffers(n: int, count: int) -> list[torch.Tensor]:
-            # Only whole, written blocks are ever read back, so the pool needs no zeroing.
-            return [torch.empty((n, *shape), dtype=dtype, pin_memory=pin) for _ in range(count)]
-
         layers = model.num_layers
-        host_k, host_v = host_buffers(host_blocks, layers), host_buffers(host_blocks, layers)
+        # Only whole, written blocks are ever read back, so the pool needs no zeroing.
+        pool = PinnedHostTensor((layers, 2, host_blocks, *shape), dtype, pin)
+        host_k = [pool.tensor[layer, 0] for layer in range(layers)]
+        host_v = [pool.tensor[layer, 1] for layer in range(layers)]
         slots = [RingSlot(*buffers(slot_blocks, 2, device)) for _ in range(num_slots)]
         staging = [tuple(buffers(staging_blocks, 2, device)) for _ in range(2)]
         tails_k, tails_v = buffers(max_seqs + 1, layers, device), buffers(max_seqs + 1, layers, device)
-        return cls(runtime, policy, host_k, host_v, slots, staging, tails_k, tails_v,
+        return cls(runtime, policy, host_k, host_v, slots, staging, tails_k, tails_v, pool,
                    h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers)
 
     @property
@@ -163,6 +165,11 @@ class OffloadEngine:
         self.host_k[layer][host:host + count].copy_(k, non_blocking=True)
         self.host_v[layer][host:host + count].copy_(v, non_blocking=True)
         self.bytes_offloaded += count * self.block_bytes
+
+    def free_host_pool(self) -> None:
+        """Give the host pool's pinned pages back (call once the device is idle)."""
+        if self.host_pool is not None:
+            self.host_pool.release()
 
     def pending_offloads(self) -> list:
         """Events of the latest offload per layer, for the offload stage to await."""

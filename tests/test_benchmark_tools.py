@@ -1,0 +1,42 @@
+"""The copy/compute overlap figure reported by benchmarks/offload.py, on synthetic traces."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from copy_overlap import copy_overlap  # noqa: E402
+
+MiB = 1 << 20
+
+
+def kernel(ts: float, dur: float) -> dict:
+    return {"cat": "kernel", "name": "gemm", "ts": ts, "dur": dur, "args": {"stream": 7}}
+
+
+def memcpy(ts: float, dur: float, kind: str = "HtoD", nbytes: int = 64 * MiB) -> dict:
+    return {"cat": "gpu_memcpy", "name": f"Memcpy {kind} (Pinned -> Device)", "ts": ts, "dur": dur,
+            "args": {"stream": 20, "bytes": nbytes}}
+
+
+def test_copy_under_kernels_is_hidden_and_copy_alone_is_not():
+    events = [kernel(0, 100), kernel(150, 100),          # busy 0-100 and 150-250
+              memcpy(50, 100),                           # 50 of 100 us under kernels
+              memcpy(300, 40, kind="DtoH")]              # nothing runs then
+    result = copy_overlap(events)
+    assert result["h2d"] == {"copies": 1, "copy_ms": 0.1, "hidden_ms": 0.05, "hidden_fraction": 0.5}
+    assert result["d2h"]["hidden_fraction"] == 0.0
+    assert result["all"]["copy_ms"] == pytest.approx(0.14)
+    assert result["all"]["hidden_fraction"] == pytest.approx(0.05 / 0.14, abs=1e-3)
+
+
+def test_overlapping_kernels_are_not_counted_twice_and_small_copies_are_ignored():
+    events = [kernel(0, 80), kernel(20, 80),             # two streams, union 0-100
+              memcpy(0, 100), memcpy(0, 100, nbytes=4096)]
+    result = copy_overlap(events)
+    assert result["h2d"]["copies"] == 1
+    assert result["h2d"]["hidden_fraction"] == 1.0
+    assert copy_overlap([kernel(0, 10)])["all"]["hidden_fraction"] is None
