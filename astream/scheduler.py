@@ -161,6 +161,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens seq computes this step: all it has left, or an aligned part of it."""
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            return 0        # its last token is sampled (maybe still in flight): nothing to compute
         start, left = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
         if left <= budget:
             return left

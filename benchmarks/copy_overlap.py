@@ -35,32 +35,42 @@ def _direction(event: dict) -> str | None:
 
 
 def copy_overlap(events: list[dict], min_bytes: int = 1 << 20) -> dict:
-    """Chrome-trace events -> {"h2d": {...}, "d2h": {...}, "all": {...}} with copy and hidden ms."""
+    """Chrome-trace events -> {"h2d": {...}, "d2h": {...}, "all": {...}}: copies, bytes, copy
+    and hidden ms, the copies' own bandwidth, and (per direction) time shared with the other."""
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
     busy = _union(kernels)
-    totals = {name: [0.0, 0.0, 0] for name in ("h2d", "d2h")}
+    copies: dict[str, list[tuple[float, float, int]]] = {"h2d": [], "d2h": []}
     for event in events:
-        if event.get("cat") != "gpu_memcpy" or event.get("args", {}).get("bytes", 0) < min_bytes:
-            continue
-        direction = _direction(event)
-        if direction is None:
-            continue
-        start, stop = event["ts"], event["ts"] + event["dur"]
-        totals[direction][0] += stop - start
-        totals[direction][1] += _covered(start, stop, busy)
-        totals[direction][2] += 1
-    totals["all"] = [sum(v[i] for v in totals.values()) for i in range(3)]
-    return {name: {"copies": n, "copy_ms": round(total / 1e3, 2), "hidden_ms": round(hidden / 1e3, 2),
-                   "hidden_fraction": round(hidden / total, 3) if total else None}
-            for name, (total, hidden, n) in totals.items()}
+        nbytes = event.get("args", {}).get("bytes", 0)
+        direction = _direction(event) if event.get("cat") == "gpu_memcpy" else None
+        if direction is not None and nbytes >= min_bytes:
+            copies[direction].append((event["ts"], event["ts"] + event["dur"], nbytes))
+    spans = {name: _union([(a, b) for a, b, _ in found]) for name, found in copies.items()}
+    result = {}
+    for name, found in (*copies.items(), ("all", copies["h2d"] + copies["d2h"])):
+        other = spans["d2h" if name == "h2d" else "h2d"] if name != "all" else []
+        result[name] = _summary(found, busy, other)
+    return result
 
 
-def trace_overlap(prof, min_bytes: int = 1 << 20) -> dict:
-    """copy_overlap of a finished torch.profiler.profile (CUDA activity is process-wide,
-    so copies and kernels launched from the engine's worker thread are in it)."""
+def _summary(copies: list[tuple[float, float, int]], busy, other) -> dict:
+    total = sum(b - a for a, b, _ in copies)
+    hidden = sum(_covered(a, b, busy) for a, b, _ in copies)
+    nbytes = sum(n for _, _, n in copies)
+    return {"copies": len(copies), "gb": round(nbytes / 1e9, 2), "copy_ms": round(total / 1e3, 2),
+            "hidden_ms": round(hidden / 1e3, 2),
+            "hidden_fraction": round(hidden / total, 3) if total else None,
+            "copy_GBps": round(nbytes / total / 1e3, 1) if total else None,
+            "concurrent_with_other_direction_ms":
+                round(sum(_covered(a, b, other) for a, b, _ in copies) / 1e3, 2)}
+
+
+def trace_overlap(prof) -> dict:
+    """copy_overlap of a finished torch.profiler.profile, for KV-sized copies (>= 1 MiB) and
+    for all copies. CUDA activity is process-wide, so work launched by any thread is in it."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return copy_overlap(events, min_bytes)
+    return {"kv_copies": copy_overlap(events), "all_copies": copy_overlap(events, min_bytes=0)}

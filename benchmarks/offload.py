@@ -96,10 +96,9 @@ async def traced_prefill(engine: Engine, ctx: int) -> dict:
     """Copy time hidden under compute during one prefill of `ctx` tokens (profiler trace)."""
     from torch.profiler import ProfilerActivity, profile
     prompt = random_prompts(ctx, 1, seed=77)[0]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof, Timer() as t:
         await engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-        torch.cuda.synchronize()
-    return {"context": ctx, **trace_overlap(prof)}
+    return {"context": ctx, "seconds_under_profiler": round(t.seconds, 3), **trace_overlap(prof)}
 
 
 async def engine_cases(config: dict, cases: list[tuple[int, int]], decode_tokens: int,
@@ -155,6 +154,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--skip", default="", help="comma list of sections to skip")
     parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
+    parser.add_argument("--cases", default=None, help='e.g. "65536x1,32768x4": only these, both modes')
+    parser.add_argument("--trace-ctx", type=int, default=65536, help="traced prefill length, 0 = none")
     args = parser.parse_args()
     smoke, skip = args.smoke, set(args.skip.split(","))
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
@@ -168,22 +169,27 @@ def main() -> None:
     # 128K x 4 needs 77 GB of KV: offload only (the host pool is sized for it).
     resident_cases = [(256, 1), (256, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases + ([(512, 2)] if smoke else [(131072, 4)])
+    if args.cases:
+        resident_cases = offload_cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    # The host pool holds the largest case and max_model_len (256-token blocks), plus decode room.
+    pool_blocks = max(max_pos, *(c * b for c, b in offload_cases)) // 256 + 32
     offload_cfg = {**base, "offload": True, **({"kv_block_size": 16, "offload_slot_tokens": 64}
-                                                 if smoke else {"num_kv_blocks": 2080})}
+                                                 if smoke else {"num_kv_blocks": pool_blocks})}
     results: dict = {"shape": shape, "cases": "(context, batch)"}
+    name = "offload_cases" if args.cases else "offload"      # a partial run keeps the full file
     if not smoke:
         section(results, "bandwidth", bandwidth)
     if "offload" not in skip:
-        trace_ctx = 0 if smoke else 65536
+        trace_ctx = 0 if smoke else args.trace_ctx
         section(results, "offload", lambda: anyio.run(engine_cases, offload_cfg, offload_cases,
                                                       decode_tokens, trace_ctx))
-        save("offload", results, smoke=smoke)
+        save(name, results, smoke=smoke)
     if "resident" not in skip:
         section(results, "resident", lambda: anyio.run(engine_cases, base, resident_cases, decode_tokens))
-        save("offload", results, smoke=smoke)
+        save(name, results, smoke=smoke)
     if not smoke and "hf" not in skip:
         section(results, "transformers_32k", hf_offloaded_cache, folder, 32768, 8)
-        save("offload", results)
+        save(name, results)
     if not smoke and "8b" not in skip:
         total = torch.cuda.get_device_properties(0).total_memory
         big = shaped_model("qwen3-8b", max_positions=max_pos)
@@ -191,10 +197,10 @@ def main() -> None:
                 "gpu_memory_utilization": round(24 * GiB / total, 3)}
         section(results, "qwen3_8b_128k_in_24gib",
                 lambda: anyio.run(engine_cases, cfg8, [(131072, 1)], 4))
-    summarize(results, smoke)
+    summarize(results, smoke, name)
 
 
-def summarize(results: dict, smoke: bool) -> None:
+def summarize(results: dict, smoke: bool, name: str) -> None:
     h2d = results.get("bandwidth", {}).get("h2d_GBps")
     kv_per_token = 147456                            # Qwen3-4B: 36 layers x 8 heads x 128 x 2 x 2 bytes
     rows = {mode: results[mode].get("rows", []) if isinstance(results.get(mode), dict) else []
@@ -209,7 +215,7 @@ def summarize(results: dict, smoke: bool) -> None:
     results["prefill_offload_vs_resident"] = {
         f"{a['context']}x{a['batch']}": round(a["prefill_tok_s"] / resident[key]["prefill_tok_s"], 3)
         for a in rows["offload"] if (key := (a["context"], a["batch"])) in resident}
-    save("offload", results, smoke=smoke)
+    save(name, results, smoke=smoke)
     for key, value in results.items():
         print(f"{key}: {value}")
 

@@ -27,7 +27,10 @@ def test_copy_under_kernels_is_hidden_and_copy_alone_is_not():
               memcpy(50, 100),                           # 50 of 100 us under kernels
               memcpy(300, 40, kind="DtoH")]              # nothing runs then
     result = copy_overlap(events)
-    assert result["h2d"] == {"copies": 1, "copy_ms": 0.1, "hidden_ms": 0.05, "hidden_fraction": 0.5}
+    h2d = result["h2d"]
+    assert (h2d["copies"], h2d["copy_ms"], h2d["hidden_ms"], h2d["hidden_fraction"]) == (1, 0.1, 0.05, 0.5)
+    assert h2d["copy_GBps"] == pytest.approx(64 * MiB / 100e-6 / 1e9, rel=1e-3)
+    assert h2d["concurrent_with_other_direction_ms"] == 0.0
     assert result["d2h"]["hidden_fraction"] == 0.0
     assert result["all"]["copy_ms"] == pytest.approx(0.14)
     assert result["all"]["hidden_fraction"] == pytest.approx(0.05 / 0.14, abs=1e-3)
@@ -40,3 +43,9 @@ def test_overlapping_kernels_are_not_counted_twice_and_small_copies_are_ignored(
     assert result["h2d"]["copies"] == 1
     assert result["h2d"]["hidden_fraction"] == 1.0
     assert copy_overlap([kernel(0, 10)])["all"]["hidden_fraction"] is None
+
+
+def test_time_shared_by_both_directions_is_reported():
+    result = copy_overlap([memcpy(0, 100), memcpy(60, 100, kind="DtoH")])
+    assert result["h2d"]["concurrent_with_other_direction_ms"] == pytest.approx(0.04)
+    assert result["d2h"]["concurrent_with_other_direction_ms"] == pytest.approx(0.04)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from astream import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
@@ -99,3 +101,15 @@ def test_utf8_is_never_broken(smol_llm):
     assert "\ufffd" not in out.text
     full = smol_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert out.text == full.rstrip("\ufffd")      # an unfinished last character is dropped
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_no_step_is_spent_after_the_last_token_is_sampled(smol_llm, max_tokens):
+    # The engine schedules step n+1 before step n's ids reach the host; a sequence whose
+    # last token is already sampled must not get another forward pass (with offload that
+    # pass would load its whole KV cache for nothing).
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    before = smol_llm.stats()["steps"]
+    out = smol_llm.generate(["Count to ten: one, two,"], params)[0]
+    assert len(out.token_ids) == max_tokens
+    assert smol_llm.stats()["steps"] - before == max_tokens    # one prefill step, then decodes

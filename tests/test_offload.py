@@ -135,12 +135,21 @@ async def test_stream_cancel_and_abort_free_host_and_device_blocks(smol_llm):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_host_pool_pins_exactly_its_size_and_unpins_on_close(tiny_qwen3):
+def test_pinned_host_tensor_pins_exactly_its_size_until_released():
     from astream.runtime.pinned import PinnedHostTensor
     odd = PinnedHostTensor((3, 1000, 7), torch.bfloat16, pin=True)    # 42,000 bytes, not a power of 2
     assert odd.tensor.is_pinned() and odd.tensor.untyped_storage().nbytes() == 42000
+    odd.tensor.copy_(torch.randn(3, 1000, 7))
+    view = odd.tensor[1]
+    copied = view.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(copied.cpu(), view)
     odd.release()
     assert not odd.tensor.is_pinned() and not odd.pinned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_host_pool_is_unpinned_when_the_engine_closes(tiny_qwen3):
     with LLM(str(tiny_qwen3), device="cuda", dtype="bfloat16", offload=True, kv_block_size=16,
              num_kv_blocks=100, offload_slot_tokens=32) as llm:
         pool = llm.engine.core.runner.offload.host_pool
