@@ -3,12 +3,15 @@
 Qwen3-4B shape, random weights, bf16. For each (context, batch): prefill tokens/s, the
 decode step time once every sequence decodes, bytes moved per step, peak GPU memory;
 offload on and off. The floor of an offloaded decode step is the KV it must load over
-PCIe divided by the H2D bandwidth measured in this run. Then transformers' offloaded
-KV cache on the same model and GPU at 32K, and a Qwen3-8B shape at 128K with offload
-inside a 24 GiB GPU budget.
+PCIe divided by the H2D bandwidth measured in this run. With offload, one more prefill
+runs under the profiler to measure how much copy time is hidden under kernels
+(copy_overlap.py). Then transformers' offloaded KV cache on the same model and GPU at 32K,
+and a Qwen3-8B shape at 128K with offload inside a 24 GiB GPU budget.
 
-    python benchmarks/offload.py             # GPU
-    python benchmarks/offload.py --smoke     # CPU, tiny shape
+    python benchmarks/offload.py                                   # GPU, everything -> offload.json
+    python benchmarks/offload.py --cases 32768x1 --trace-ctx 131072 --skip hf,8b,resident
+                                                                   # a part -> offload_cases.json
+    python benchmarks/offload.py --smoke                           # CPU, tiny shape
 """
 
 from __future__ import annotations
@@ -149,6 +152,26 @@ def section(results: dict, name: str, fn, *args) -> None:
         torch.cuda.empty_cache()
 
 
+def configs(args, folder, max_pos: int) -> tuple[dict, dict, list, list]:
+    """Engine keywords for both modes, and the (context, batch) cases each runs."""
+    smoke = args.smoke
+    base = dict(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
+                device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
+                max_num_seqs=4, max_model_len=max_pos)
+    if not smoke:
+        base["max_num_batched_tokens"] = 16384       # the same prefill chunks in both modes
+    # 128K x 4 needs 77 GB of KV: offload only (the host pool is sized for it).
+    resident_cases = [(256, 1), (256, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    offload_cases = resident_cases + ([(512, 2)] if smoke else [(131072, 4)])
+    if args.cases:
+        resident_cases = offload_cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    # The host pool holds the largest case and max_model_len (256-token blocks), plus decode room.
+    pool_blocks = max(max_pos, *(c * b for c, b in offload_cases)) // 256 + 32
+    offload_cfg = {**base, "offload": True, **({"kv_block_size": 16, "offload_slot_tokens": 64}
+                                                 if smoke else {"num_kv_blocks": pool_blocks})}
+    return base, offload_cfg, resident_cases, offload_cases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
@@ -160,21 +183,8 @@ def main() -> None:
     smoke, skip = args.smoke, set(args.skip.split(","))
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
     folder = shaped_model(shape, max_positions=max_pos)
-    base = dict(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
-                device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
-                max_num_seqs=4, max_model_len=max_pos)
-    if not smoke:
-        base["max_num_batched_tokens"] = 16384       # the same prefill chunks in both modes
+    base, offload_cfg, resident_cases, offload_cases = configs(args, folder, max_pos)
     decode_tokens = 6 if smoke else 17
-    # 128K x 4 needs 77 GB of KV: offload only (the host pool is sized for it).
-    resident_cases = [(256, 1), (256, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
-    offload_cases = resident_cases + ([(512, 2)] if smoke else [(131072, 4)])
-    if args.cases:
-        resident_cases = offload_cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
-    # The host pool holds the largest case and max_model_len (256-token blocks), plus decode room.
-    pool_blocks = max(max_pos, *(c * b for c, b in offload_cases)) // 256 + 32
-    offload_cfg = {**base, "offload": True, **({"kv_block_size": 16, "offload_slot_tokens": 64}
-                                                 if smoke else {"num_kv_blocks": pool_blocks})}
     results: dict = {"shape": shape, "cases": "(context, batch)"}
     name = "offload_cases" if args.cases else "offload"      # a partial run keeps the full file
     if not smoke:
