@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     merged: list[tuple[float, float]] = []
     for start, stop in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -39,14 +39,14 @@ def copy_overlap(events: list[dict], min_bytes: int = 1 << 20) -> dict:
     and hidden ms, the copies' own bandwidth, and (per direction) time shared with the other."""
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events
                if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
-    busy = _union(kernels)
+    busy = union_intervals(kernels)
     copies: dict[str, list[tuple[float, float, int]]] = {"h2d": [], "d2h": []}
     for event in events:
         nbytes = event.get("args", {}).get("bytes", 0)
         direction = _direction(event) if event.get("cat") == "gpu_memcpy" else None
         if direction is not None and nbytes >= min_bytes:
             copies[direction].append((event["ts"], event["ts"] + event["dur"], nbytes))
-    spans = {name: _union([(a, b) for a, b, _ in found]) for name, found in copies.items()}
+    spans = {name: union_intervals([(a, b) for a, b, _ in found]) for name, found in copies.items()}
     result = {}
     for name, found in (*copies.items(), ("all", copies["h2d"] + copies["d2h"])):
         other = spans["d2h" if name == "h2d" else "h2d"] if name != "all" else []
@@ -66,11 +66,16 @@ def _summary(copies: list[tuple[float, float, int]], busy, other) -> dict:
                 round(sum(_covered(a, b, other) for a, b, _ in copies) / 1e3, 2)}
 
 
-def trace_overlap(prof) -> dict:
-    """copy_overlap of a finished torch.profiler.profile, for KV-sized copies (>= 1 MiB) and
-    for all copies. CUDA activity is process-wide, so work launched by any thread is in it."""
+def trace_events(prof) -> list[dict]:
+    """The chrome-trace events of a finished torch.profiler.profile. CUDA activity is
+    process-wide, so work launched by any thread is in them."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
+        return json.loads(path.read_text()).get("traceEvents", [])
+
+
+def trace_overlap(prof) -> dict:
+    """copy_overlap of a finished profile, for KV-sized copies (>= 1 MiB) and for all copies."""
+    events = trace_events(prof)
     return {"kv_copies": copy_overlap(events), "all_copies": copy_overlap(events, min_bytes=0)}

@@ -59,11 +59,11 @@ async def one_case(engine: Engine, ctx: int, batch: int, decode_tokens: int, see
     ends (the rest are cancelled) when the first one finishes.
     """
     prompts = random_prompts(ctx, batch, seed)
-    chunk = engine.stats()["max_num_batched_tokens"]
+    stats0 = engine.stats()
+    chunk = stats0["max_num_batched_tokens"]
     params = SamplingParams(temperature=0.0, ignore_eos=True,
                             max_tokens=decode_tokens + (batch - 1) * -(-ctx // chunk) + 2)
     stamps: list[list[float]] = [[] for _ in range(batch)]
-    stats0 = engine.stats()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
@@ -108,7 +108,7 @@ async def engine_cases(config: dict, cases: list[tuple[int, int]], decode_tokens
                        trace_ctx: int = 0) -> dict:
     rows, result = [], {}
     async with Engine(**config) as engine:
-        await warm_up(engine, engine.stats().get("max_num_batched_tokens") or 2048)
+        await warm_up(engine, engine.stats()["max_num_batched_tokens"])
         for i, (ctx, batch) in enumerate(cases):
             rows.append(await one_case(engine, ctx, batch, decode_tokens, seed=i))
             print(rows[-1], flush=True)

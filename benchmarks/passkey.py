@@ -48,7 +48,7 @@ def run(llm: LLM, lengths: list[int], depths: list[float], seed: int) -> list[di
                          "key": key, "answer": out.text.strip(), "found": str(key) in out.text,
                          "seconds": round(time.perf_counter() - start, 3),
                          "prompt_token_ids": out.prompt_token_ids})
-            print(rows[-1])
+            print({k: v for k, v in rows[-1].items() if k != "prompt_token_ids"})
     return rows
 
 

@@ -17,15 +17,13 @@ import cProfile
 import io
 import json
 import pstats
-import tempfile
 import time
-from pathlib import Path
 
 import anyio
 import torch
 
 from common import random_workload, save, shaped_model, smollm2  # noqa: I001
-from copy_overlap import _union
+from copy_overlap import trace_events, union_intervals
 from astream import Engine, SamplingParams
 
 
@@ -46,12 +44,8 @@ async def wait_steps(engine: Engine, n: int) -> None:
 
 
 def kernel_summary(prof, steps: int, wall_s: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") == "kernel"]
-    busy_us = sum(b - a for a, b in _union([(e["ts"], e["ts"] + e["dur"]) for e in kernels]))
+    kernels = [e for e in trace_events(prof) if e.get("cat") == "kernel"]
+    busy_us = sum(b - a for a, b in union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels]))
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e["name"][:90], []).append(e["dur"])
