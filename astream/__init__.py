@@ -2,9 +2,11 @@
 
 from astream.config import EngineConfig
 from astream.engine import Engine
+from astream.errors import EngineClosedError, PromptTooLongError
 from astream.llm import LLM
-from astream.outputs import Completion, StreamToken
+from astream.outputs import Completion, Progress, StreamToken
 from astream.sampling import SamplingParams
 
-__all__ = ["Completion", "Engine", "EngineConfig", "LLM", "SamplingParams", "StreamToken"]
+__all__ = ["Completion", "Engine", "EngineClosedError", "EngineConfig", "LLM", "Progress",
+           "PromptTooLongError", "SamplingParams", "StreamToken"]
 __version__ = "0.1.0"

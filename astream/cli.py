@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_options(sub.add_argument_group("sampling options"), SamplingParams)
     _add_options(serve.add_argument_group("server options", f"--api-key may also come from "
                                           f"${API_KEY_ENV} (which keeps it out of `ps`)"), ServerOptions)
-    serve.set_defaults(api_key=os.environ.get(API_KEY_ENV) or None)
+    serve.set_defaults(api_key=os.environ.get(API_KEY_ENV))
     return parser
 
 
@@ -72,21 +72,21 @@ def _add_options(group: argparse._ArgumentGroup, cls: type, skip: set[str] = fro
     for field in dataclasses.fields(cls):
         if field.name in skip:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *field.metadata.get("flags", ())]
         shown = none if field.default is None else field.default
         kind = _flag_kind(field)
         if kind is None:
             continue
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=f"default: {shown}")
         elif kind.startswith("tuple["):
             item = _SCALARS[kind[len("tuple["):].split(",")[0].strip()]
-            group.add_argument(flag, type=item, action="append", default=argparse.SUPPRESS,
+            group.add_argument(*flags, type=item, action="append", default=argparse.SUPPRESS,
                                help="repeat for several")
         else:
             metavar = {"int": "N", "float": "X"}.get(kind, field.name.split("_")[-1].upper())
-            group.add_argument(flag, type=_SCALARS[kind], default=argparse.SUPPRESS,
+            group.add_argument(*flags, type=_SCALARS[kind], default=argparse.SUPPRESS,
                                metavar=metavar, help=f"default: {shown}")
 
 
@@ -116,6 +116,8 @@ def _configs(args: argparse.Namespace) -> tuple:
     engine = _pick(args, EngineConfig, _engine_skip(args.run))
     EngineConfig.from_kwargs(args.model, **engine)
     if args.run is _serve:
+        if args.api_key == "" and os.environ.get(API_KEY_ENV) == "":
+            raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")
         return engine, ServerOptions(**_pick(args, ServerOptions))
     return engine, SamplingParams(**_pick(args, SamplingParams))
 
@@ -212,7 +214,7 @@ def _read_line() -> str | None:
 
 async def _print_stream(engine, prompt, params, status: StatusLine) -> str:
     """Stream one request's text to stdout, prefill progress to stderr; returns the text."""
-    from astream.stages.requests import Progress
+    from astream.outputs import Progress
 
     text = ""
     async for item in engine.stream(prompt, params, progress=True):

@@ -1,7 +1,8 @@
-"""EngineCore: the model, cache, scheduler and runner assembled, with no event loop.
+"""EngineCore: requests, scheduler and runner assembled, with no event loop.
 
-The async Engine drives these pieces as stages; `step()` drives them
-synchronously (tests, benchmarks and the plain step loop).
+The core owns every live request (`requests`) and is the one place that starts and
+ends them; their output goes to each request's sink. The async Engine drives the
+core from its stages; `step()` drives it synchronously (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -10,41 +11,28 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 
-import torch
-
 from astream.config import EngineConfig
-from astream.executor.cuda_graphs import DecodeGraphs
-from astream.executor.runner import ModelRunner, PreparedStep, StepOutput
-from astream.executor.offload_plan import TailSlots
+from astream.executor.build import build_runner
+from astream.executor.runner import ModelRunner, PreparedStep, StepOutput, StepProgram
 from astream.kvcache.block_manager import BlockManager
-from astream.kvcache.offload_engine import OffloadEngine
-from astream.kvcache.paged_cache import PagedKVCache
 from astream.kvcache.sizing import CachePlan, check_max_model_len, plan_cache
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
-from astream.policies import make_policy
+from astream.request import ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
 from astream.sampling import SamplingParams
+from astream.errors import PromptTooLongError
 from astream.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from astream.sequence import Sequence
 from astream.text import IncrementalDetokenizer, RequestText
-from astream.tokenization import Prompt, prompt_to_ids, stop_token_ids
+from astream.tokenization import Prompt, PromptBound, prompt_to_ids, stop_token_ids
+
+__all__ = ["EngineCore", "PreparedStep", "ScheduledBatch", "StepOutput", "StepProgram"]
 
 log = logging.getLogger("astream")
 
 _MAX_FAULTS = 4          # a sequence in this many failed steps fails even in company
-
-
-@dataclass(slots=True)
-class TokenEvent:
-    """One sampled token after detokenization and stop checks."""
-
-    seq: Sequence
-    token_id: int                       # -1 for the final event of an aborted or failed request
-    text: str
-    finish_reason: str | None
-    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -56,8 +44,8 @@ class EngineCore:
     scheduler: Scheduler
     runner: ModelRunner
     eos_ids: frozenset[int]
-    texts: dict[str, RequestText] = field(default_factory=dict)
-    sequences: dict[str, Sequence] = field(default_factory=dict)
+    prompt_bound: PromptBound            # a prompt's fewest possible tokens, from its size
+    requests: dict[str, Request] = field(default_factory=dict)
     _arrivals: itertools.count = field(default_factory=itertools.count)
 
     @classmethod
@@ -65,78 +53,131 @@ class EngineCore:
         device, dtype = config.torch_device(), config.torch_dtype()
         path = resolve_model_path(config.model)
         checkpoint = open_checkpoint(path, config.load_format)
-        model_config = ModelConfig.from_hf(checkpoint.hf_config)
-        check_max_model_len(config, model_config)          # fail before the slow part
+        check_max_model_len(config, ModelConfig.from_hf(checkpoint.hf_config))  # before the slow part
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
-        plan = plan_cache(config, model_config, dtype, device)    # sized after the weights
+        plan = plan_cache(config, model.decoder.config, dtype, device)   # sized after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
                             align_chunks_to=plan.block_size if config.offload else 1),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         runtime = DeviceRuntime(device)
-        generator = torch.Generator(device=device)
-        generator.manual_seed(config.seed)
-        runner = ModelRunner(model.decoder, None, runtime, generator, plan.block_size)
-        if config.offload:
-            runner.offload = _offload_engine(config, plan, model_config, dtype, runtime)
-            runner.tails = TailSlots(config.max_num_seqs)
-        else:
-            runner.cache = PagedKVCache.allocate(model_config, plan.num_blocks, plan.block_size,
-                                                 dtype, device)
-            if device.type == "cuda" and not config.enforce_eager:
-                runner.graphs = _capture_graphs(config, plan, model, runner.cache)
+        runner = build_runner(config, plan, model.decoder, runtime)
         eos = stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids)
         log.info("astream: %s on %s (%s), %d KV blocks of %d tokens%s, max_model_len %d, attention %s",
                  path.name, device, dtype, plan.num_blocks, plan.block_size,
                  " in host memory" if config.offload else "", plan.max_model_len, select_backend(device))
-        return cls(config, plan, model, runtime, scheduler, runner, frozenset(eos))
+        return cls(config, plan, model, runtime, scheduler, runner, frozenset(eos),
+                   PromptBound.of(model.tokenizer))
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
 
-    # ---- requests -------------------------------------------------------------------
+    # ---- requests: open, tokenize, admit ------------------------------------------------
+
+    def open_request(self, request_id: str, params: SamplingParams, sink: RequestSink,
+                     client: str = "") -> Request:
+        """Register a request; its output goes to `sink`. Raises ValueError for a live id."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use by a live request")
+        request = Request(request_id, params, sink, client)
+        self.requests[request_id] = request
+        return request
+
+    def is_live(self, request: Request) -> bool:
+        return self.requests.get(request.request_id) is request
+
+    def check_prompt_size(self, prompt: Prompt) -> None:
+        """Refuse, before any tokenization, a prompt too large to fit in any case."""
+        bound = self.prompt_bound.min_tokens(prompt)
+        if bound >= self.plan.max_model_len:
+            raise PromptTooLongError(f"prompt is too large: at least {bound} tokens, but "
+                                     f"max_model_len is {self.plan.max_model_len}")
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        self.scheduler.check_prompt_length(num_tokens)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         return prompt_to_ids(self.tokenizer, prompt, self.model.decoder.config.vocab_size)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        if request_id in self.sequences:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals))
-        self.scheduler.add(seq)
-        self.sequences[request_id] = seq
-        detok = IncrementalDetokenizer.start(self.tokenizer, seq.prompt_token_ids)
-        self.texts[request_id] = RequestText(params, detok, self.eos_ids)
-        return seq
+    def admit(self, request: Request, prompt_ids: list[int]) -> None:
+        """Hand a tokenized request to the scheduler; a prompt it cannot take rejects it."""
+        if not self.is_live(request):
+            return                                          # ended while it was tokenized
+        try:
+            seq = Sequence(request.request_id, list(prompt_ids), request.params,
+                           next(self._arrivals), request.client)
+            text = RequestText(request.params, IncrementalDetokenizer.start(self.tokenizer, prompt_ids),
+                               self.eos_ids)
+            self.scheduler.add(seq)
+        except Exception as exc:                            # this request's fault alone
+            self.reject(request, exc)
+            return
+        request.seq, request.text = seq, text
 
-    def finish(self, request_id: str, reason: str, error: str | None = None) -> TokenEvent | None:
-        """End a request from outside (abort, error); returns its last event, if it was live."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is None:
-            return None
-        self.scheduler.finish(seq, reason)
-        text = self.texts.pop(request_id)
-        return TokenEvent(seq, -1, text.finish_early(reason), reason, error)
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    client: str = "") -> ListSink:
+        """Open and admit in one call, for synchronous callers; returns the request's output."""
+        sink = ListSink()
+        self.admit(self.open_request(request_id, params, sink, client), prompt_ids)
+        if sink.error is not None:
+            raise sink.error
+        return sink
 
-    def fail_step(self, step: PreparedStep, exc: BaseException) -> list[TokenEvent]:
-        """A step raised. Alone, its sequence failed; in company, each one retries alone."""
-        for seq in step.sampled:
-            seq.num_pending -= 1
-        seqs = [item.seq for item in step.batch.items if not item.seq.is_finished]
+    # ---- requests: the ways they end ---------------------------------------------------------
+
+    def reject(self, request: Request, error: Exception) -> None:
+        """End a request that failed before producing anything; its consumer gets `error`."""
+        if self.is_live(request):
+            del self.requests[request.request_id]
+            request.sink.reject(error)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """End a live request wherever it is (queued, waiting or running): its blocks return,
+        and its consumer gets the text that was complete and the finish reason."""
+        if not self.is_live(request):
+            return
+        del self.requests[request.request_id]
+        text = ""
+        if request.seq is not None:
+            self.scheduler.finish(request.seq, reason)
+            text = request.text.finish_early(reason)
+        request.sink.token(-1, text, reason, error)
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, "abort")
+
+    def finish_all(self, reason: str, error: str | None = None) -> None:
+        for request in list(self.requests.values()):
+            self.finish(request, reason, error)
+
+    def fail_step(self, batch: ScheduledBatch, step: PreparedStep | None, exc: BaseException) -> None:
+        """Preparing or running a batch raised (`step` is None if preparing did). Alone, its
+        sequence failed; in company, each one is recomputed alone, so a repeat is its own."""
+        if step is not None:
+            self.scheduler.dropped(step.sampled)
+        seqs = [item.seq for item in batch.items if not item.seq.is_finished]
         message = f"{type(exc).__name__}: {exc}"
-        events = []
         for seq in seqs:
-            seq.faults += 1
-            if len(seqs) == 1 or seq.faults >= _MAX_FAULTS:
+            if len(seqs) == 1 or self.scheduler.record_fault(seq) >= _MAX_FAULTS:
                 log.warning("request %s failed in a step: %s", seq.request_id, message)
-                events.append(self.finish(seq.request_id, "error", message))
+                self.finish(self.requests[seq.request_id], "error", message)
             else:
-                self.scheduler.preempt(seq)
-                seq.isolate = True
-        return [e for e in events if e is not None]
+                self.scheduler.isolate(seq)
 
-    # ---- steps ----------------------------------------------------------------------
+    # ---- backpressure -------------------------------------------------------------------------
+
+    def resume_caught_up(self) -> None:
+        """Resume paused requests whose consumers have read half of their backlog."""
+        limit = self.config.stream_buffer_tokens // 2
+        for seq in self.scheduler.paused():
+            request = self.requests.get(seq.request_id)
+            if request is not None and request.sink.backlog <= limit:
+                self.scheduler.resume(seq)
+
+    # ---- steps ----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()
@@ -145,50 +186,57 @@ class EngineCore:
         """Build the step's inputs; from here its sampled tokens count as pending."""
         step = self.runner.prepare(batch)
         if step is not None:
-            for row, seq in enumerate(step.sampled):
-                seq.num_pending += 1
-                seq.pending_row = row
+            self.scheduler.launched(step.sampled)
         return step
+
+    def program(self, step: PreparedStep, previous: StepOutput | None = None) -> StepProgram:
+        """The step as a generator of device events (see executor.runner), for async drivers."""
+        return self.runner.program(step, previous)
 
     def launch(self, step: PreparedStep, previous: StepOutput | None = None) -> StepOutput:
         return self.runner.launch(step, previous)
 
-    def process(self, output: StepOutput) -> list[TokenEvent]:
-        """Consume a finished step's sampled ids (its `ready` event must have completed)."""
+    def process(self, output: StepOutput) -> int:
+        """Consume a finished step (its `ready` event must have completed): deliver each
+        sampled token and prefill progress. Returns how many tokens were delivered."""
         blocks = self.scheduler.blocks
         for item in output.batch.items:
             if not item.seq.is_finished:       # this step's KV is written: cacheable now
                 blocks.register_full_blocks(item.seq, item.start + item.num_tokens)
-        events = []
+        delivered = 0
         for seq, token_id in zip(output.sampled, output.host_ids.tolist()):
-            seq.num_pending -= 1
-            if seq.is_finished:
-                continue                       # ended while this step was in flight
-            try:
-                events.append(self._append_token(seq, token_id))
-            except Exception as exc:           # a detokenizer or stop-check fault: this request only
-                log.warning("request %s failed in output processing: %r", seq.request_id, exc)
-                event = self.finish(seq.request_id, "error", f"{type(exc).__name__}: {exc}")
-                if event is not None:
-                    events.append(event)
-        return events
+            if self.scheduler.token_arrived(seq, token_id):
+                delivered += self._deliver_token(self.requests[seq.request_id], token_id)
+        for item in output.batch.items:
+            request = self.requests.get(item.seq.request_id)
+            if not item.sample and request is not None and request.seq is item.seq:
+                request.sink.progress(item.start + item.num_tokens, item.seq.num_prompt_tokens)
+        return delivered
 
-    def _append_token(self, seq: Sequence, token_id: int) -> TokenEvent:
-        seq.output_token_ids.append(token_id)
-        text = self.texts[seq.request_id]
-        delta = text.append(token_id, seq.num_tokens >= self.plan.max_model_len)
-        if text.finished:
-            self.sequences.pop(seq.request_id, None)
-            self.texts.pop(seq.request_id, None)
-            self.scheduler.finish(seq, text.finished)
-        return TokenEvent(seq, token_id, delta, text.finished)
+    def _deliver_token(self, request: Request, token_id: int) -> int:
+        seq = request.seq
+        try:
+            delta = request.text.append(token_id, seq.num_tokens >= self.plan.max_model_len)
+        except Exception as exc:               # a detokenizer or stop-check fault: this request only
+            log.warning("request %s failed in output processing: %r", seq.request_id, exc)
+            self.finish(request, "error", f"{type(exc).__name__}: {exc}")
+            return 0
+        reason = request.text.finished
+        if reason is not None:
+            del self.requests[request.request_id]
+            self.scheduler.finish(seq, reason)
+        if not request.sink.token(token_id, delta, reason):
+            self.finish(request, "abort")       # the consumer is gone
+        elif reason is None and request.sink.backlog >= self.config.stream_buffer_tokens:
+            self.scheduler.pause(seq)
+        return 1
 
-    def step(self) -> list[TokenEvent]:
-        """Schedule, run and process one step synchronously."""
+    def step(self) -> int:
+        """Schedule, run and process one step synchronously; returns tokens delivered."""
         batch = self.schedule()
         step = self.prepare(batch) if batch is not None else None
         if step is None:
-            return []
+            return 0
         output = self.launch(step)
         output.ready.synchronize()
         return self.process(output)
@@ -204,7 +252,9 @@ class EngineCore:
         blocks = self.scheduler.blocks
         return {"kv_blocks_total": blocks.num_blocks, "kv_blocks_free": blocks.num_free,
                 "kv_block_size": blocks.block_size, "prefix_cache_hits": blocks.prefix_hits,
-                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "requests": len(self.requests),
+                "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting) + len(self.scheduler.isolated),
+                "paused": len(self.scheduler.paused()),
                 "steps": self.scheduler.steps, "preemptions": self.scheduler.preemptions,
                 "max_model_len": self.plan.max_model_len,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
@@ -219,21 +269,3 @@ class EngineCore:
                 "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_bytes_offloaded": engine.bytes_offloaded}
-
-
-def _offload_engine(config: EngineConfig, plan: CachePlan, model: ModelConfig, dtype: torch.dtype,
-                    runtime: DeviceRuntime) -> OffloadEngine:
-    sizes = plan.offload
-    return OffloadEngine.allocate(model, plan.num_blocks, plan.block_size, sizes.num_slots,
-                                  sizes.slot_blocks, sizes.staging_blocks, config.max_num_seqs,
-                                  dtype, runtime, make_policy(config.sparse_policy))
-
-
-def _capture_graphs(config: EngineConfig, plan: CachePlan, model: LoadedModel,
-                    cache: PagedKVCache) -> DecodeGraphs:
-    graphs = DecodeGraphs(model.decoder, cache, min(config.cuda_graph_max_batch, config.max_num_seqs),
-                          max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
-                          max_context=plan.max_model_len)
-    with torch.inference_mode():
-        graphs.capture()
-    return graphs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import uuid
 from typing import AsyncIterator, Callable
 
@@ -17,19 +18,18 @@ import torch
 
 from astream.config import EngineConfig
 from astream.core import EngineCore
-from astream.outputs import Completion, StreamToken
+from astream.errors import EngineClosedError
+from astream.outputs import Completion, Progress, StreamToken
+from astream.request import Request
+from astream.request_stream import RequestStream
 from astream.runtime.events import Notifier, run_off_loop
 from astream.sampling import SamplingParams
 from astream.stages import graph
+from astream.stages.channel import Rejected, RequestChannel
 from astream.stages.context import STEPS_IN_FLIGHT, StageContext, Submission
-from astream.stages.requests import Progress, Rejected, RequestHandle, RequestRegistry
 from astream.tokenization import Prompt
 
 log = logging.getLogger("astream")
-
-
-class EngineClosedError(RuntimeError):
-    """The engine is not running (not started, closed, or stopped by an internal fault)."""
 
 
 class Engine:
@@ -39,7 +39,8 @@ class Engine:
         self.core: EngineCore | None = None
         self._load_progress = load_progress
         self._ctx: StageContext | None = None
-        self._task_group = None
+        self._host = None                         # task group holding the stages' host task
+        self._stages: anyio.CancelScope | None = None
         self._submit = None
         self._fault: BaseException | None = None
 
@@ -47,27 +48,43 @@ class Engine:
 
     async def __aenter__(self) -> "Engine":
         self.core = await run_off_loop(EngineCore.create, self.config, self._load_progress)
-        self._ctx = StageContext(self.core, RequestRegistry(self.config.stream_buffer_tokens),
-                                 Notifier(), anyio.Semaphore(STEPS_IN_FLIGHT))
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._start_stages()
+        self._ctx = StageContext(self.core, Notifier(), anyio.Semaphore(STEPS_IN_FLIGHT))
+        self._host = anyio.create_task_group()
+        await self._host.__aenter__()
+        try:
+            # The stages run in a task group of their own, inside one host task: a fault
+            # cancels that group only, never the caller's code between enter and exit.
+            await self._host.start(self._run_stages)
+        except BaseException:
+            await self.__aexit__(*sys.exc_info())
+            raise
         return self
 
     async def __aexit__(self, *exc_info) -> None:
-        if self._task_group is None:
+        if self._host is None:
             return
-        self._task_group.cancel_scope.cancel()
-        await self._task_group.__aexit__(None, None, None)
-        self._task_group = None
-        self._end_all("abort", None)
-        self.core.close()
-        self.core = self._ctx = self._submit = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if self._stages is not None:
+            self._stages.cancel()
+        try:
+            # The caller's own exception, if any, propagates unchanged: the host group
+            # never sees it, so it neither wraps it in a group nor cancels anything.
+            await self._host.__aexit__(None, None, None)
+        finally:
+            self._host = None
+            self.core.finish_all("abort")
+            self.core.close()
+            self.core = self._ctx = self._submit = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
-    def _start_stages(self) -> None:
+    async def _run_stages(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as stages:
+            self._stages = stages.cancel_scope
+            self._start_stages(stages)
+            task_status.started()
+
+    def _start_stages(self, group) -> None:
         ends: dict[tuple[str, str], tuple] = {}
         for channel in graph.CHANNELS:
             ends[(channel.source, channel.target)] = anyio.create_memory_object_stream(channel.capacity)
@@ -75,7 +92,7 @@ class Engine:
         for stage in graph.STAGES:
             inboxes = [ends[(c.source, c.target)][1] for c in graph.CHANNELS if c.target == stage.name]
             outboxes = [ends[(c.source, c.target)][0] for c in graph.CHANNELS if c.source == stage.name]
-            self._task_group.start_soon(self._supervise, stage, *inboxes, *outboxes, name=stage.name)
+            group.start_soon(self._supervise, stage, *inboxes, *outboxes, name=stage.name)
 
     async def _supervise(self, stage: graph.Stage, *channel_ends) -> None:
         try:
@@ -83,94 +100,73 @@ class Engine:
         except Exception as exc:                  # a bug, not a request's fault: stop cleanly
             log.exception("stage %s crashed; the engine stops", stage.name)
             self._fault = exc
-            self._end_all("error", f"engine stopped: {type(exc).__name__}: {exc}")
-            self._task_group.cancel_scope.cancel()
-
-    def _end_all(self, reason: str, error: str | None) -> None:
-        for handle in list(self._ctx.registry.handles.values()):
-            self._end_handle(handle, reason, error)
-
-    def _end_handle(self, handle: RequestHandle, reason: str, error: str | None = None) -> None:
-        """Finish a live request wherever it is: in the core, or still queued before it."""
-        event = self.core.finish(handle.request_id, reason, error) if handle.seq is not None else None
-        if event is not None:
-            self._ctx.registry.deliver(event)
-        else:
-            self._ctx.registry.end_unadmitted(handle, reason)
+            self.core.finish_all("error", f"engine stopped: {type(exc).__name__}: {exc}")
+            self._stages.cancel()
 
     # ---- requests -------------------------------------------------------------------
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-                     request_id: str | None = None, *, progress: bool = False
+                     request_id: str | None = None, *, progress: bool = False, client: str = ""
                      ) -> AsyncIterator[StreamToken]:
         """Tokens of one request as they are produced. Leaving the loop early aborts it.
 
         A bad prompt raises ValueError here. With progress=True, `Progress` items
-        report long prefills between tokens.
+        report long prefills between tokens. Requests of one `client` share a fair part
+        of the running slots with those of other clients (see docs/ENGINE.md).
         """
-        request = await self.request(prompt, params, request_id, progress=progress)
+        request = await self.request(prompt, params, request_id, progress=progress, client=client)
         async with request:
             async for item in request:
                 yield item
 
     async def request(self, prompt: Prompt, params: SamplingParams | None = None,
-                      request_id: str | None = None, *, progress: bool = False) -> "RequestStream":
+                      request_id: str | None = None, *, progress: bool = False,
+                      client: str = "") -> RequestStream:
         """Submit a request and return its open stream (for servers that need its usage and timing).
 
-        Raises ValueError at once for a request id that is already live.
+        Raises ValueError at once for a request id that is already live, and
+        PromptTooLongError for a prompt too large to fit whatever it tokenizes to.
+        Close the stream (or leave `async with`) to abort the request.
         """
-        handle = await self._open(prompt, params or SamplingParams(), request_id)
-        return RequestStream(handle, self._follow(handle, progress))
+        request, channel = await self._open(prompt, params, request_id, client)
+        return RequestStream(request, channel, self._follow(request, channel, progress),
+                             self._abort_request)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> Completion:
-        handle = await self._open(prompt, params or SamplingParams(), request_id)
-        completion = Completion(handle.request_id, [])
-        async for tok in self._follow(handle, progress=False):
-            if tok.token_id >= 0:
-                completion.token_ids.append(tok.token_id)
-            completion.text += tok.text
-            completion.finish_reason, completion.error = tok.finish_reason, tok.error
-        if handle.seq is not None:
-            completion.prompt_token_ids = list(handle.seq.prompt_token_ids)
+                       request_id: str | None = None, *, client: str = "") -> Completion:
+        request = await self.request(prompt, params, request_id, client=client)
+        completion = Completion(request.request_id, [])
+        async with request:
+            async for tok in request:
+                if tok.token_id >= 0:
+                    completion.token_ids.append(tok.token_id)
+                completion.text += tok.text
+                completion.finish_reason, completion.error = tok.finish_reason, tok.error
+        completion.prompt_token_ids = request.prompt_token_ids
         return completion
-
-    async def _follow(self, handle: RequestHandle, progress: bool):
-        try:
-            async for item in handle.receive:
-                if isinstance(item, Rejected):
-                    raise item.error
-                if isinstance(item, Progress):
-                    if progress:
-                        yield item
-                    continue
-                if handle.seq is not None and handle.seq.paused:
-                    self._ctx.wake.notify()       # the backlog shrank; the scheduler may resume it
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if handle.finish_reason is None and self._ctx is not None:
-                self._abort_handle(handle)
 
     async def abort(self, request_id: str) -> None:
         """End a request with finish_reason "abort". Unknown or finished ids are a no-op."""
-        if self._ctx is None:
-            return
-        handle = self._ctx.registry.handles.get(request_id)
-        if handle is not None:
-            self._abort_handle(handle)
+        if self.core is not None:
+            self.core.abort(request_id)
+            self._ctx.wake.notify()
 
     @property
     def running(self) -> bool:
         """True between start and close, unless an internal fault stopped the engine."""
         return self.core is not None and self._fault is None
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (a transformers tokenizer)."""
+        if self.core is None:
+            raise EngineClosedError("the engine is not running")
+        return self.core.tokenizer
+
     def stats(self) -> dict:
         if self.core is None:
             raise EngineClosedError("the engine is not running")
         stats = self.core.stats()
-        stats["requests"] = len(self._ctx.registry.handles)
         stats["fault"] = None if self._fault is None else repr(self._fault)
         return stats
 
@@ -178,64 +174,46 @@ class Engine:
     def graph(self) -> str:
         return graph.render()
 
-    async def _open(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> RequestHandle:
-        if self._ctx is None or self._fault is not None:
+    async def _open(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None,
+                    client: str) -> tuple[Request, RequestChannel]:
+        if self.core is None or self._fault is not None:
             raise EngineClosedError("the engine is not running" if self._fault is None
                                     else f"the engine stopped after a fault: {self._fault!r}")
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        handle = self._ctx.registry.open(request_id or uuid.uuid4().hex)
-        await self._submit.send(Submission(handle, prompt, params))
-        return handle
+        if not isinstance(client, str):
+            raise TypeError(f"client must be a string, got {type(client).__name__}")
+        self.core.check_prompt_size(prompt)
+        request_id = request_id or uuid.uuid4().hex
+        channel = RequestChannel.open(request_id)
+        request = self.core.open_request(request_id, params, channel, client)
+        try:
+            await self._submit.send(Submission(request, prompt))
+        except BaseException:                     # cancelled while queueing: leave nothing behind
+            self.core.finish(request, "abort")
+            raise
+        return request, channel
 
-    def _abort_handle(self, handle: RequestHandle) -> None:
-        if self._ctx.registry.handles.get(handle.request_id) is not handle:
-            return
-        self._end_handle(handle, "abort")
-        self._ctx.wake.notify()
+    async def _follow(self, request: Request, channel: RequestChannel, progress: bool):
+        try:
+            async for item in channel.receive:
+                if isinstance(item, Rejected):
+                    raise item.error
+                if isinstance(item, Progress):
+                    if progress:
+                        yield item
+                    continue
+                if request.paused:
+                    self._ctx.wake.notify()       # the backlog shrank; the scheduler may resume it
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self._abort_request(request)
 
-
-class RequestStream:
-    """One live request: iterate it for StreamTokens (and Progress items when asked for).
-
-    Closing it (aclose, or leaving `async with`) before the last token aborts the request.
-    """
-
-    def __init__(self, handle: RequestHandle, items) -> None:
-        self._handle = handle
-        self._items = items
-
-    @property
-    def request_id(self) -> str:
-        return self._handle.request_id
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self._handle.prompt_tokens
-
-    @property
-    def completion_tokens(self) -> int:
-        return self._handle.tokens_sent
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._handle.finish_reason
-
-    def timing(self) -> dict:
-        """{"ttft_ms": ..., "tpot_ms": ...}; None where not yet measurable."""
-        return self._handle.timing()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self):
-        return await self._items.__anext__()
-
-    async def aclose(self) -> None:
-        await self._items.aclose()
-
-    async def __aenter__(self) -> "RequestStream":
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.aclose()
+    def _abort_request(self, request: Request) -> None:
+        """End `request` if it is still live (a no-op once it finished or the engine closed)."""
+        if self.core is not None and self.core.is_live(request):
+            self.core.finish(request, "abort")
+            self._ctx.wake.notify()

@@ -60,7 +60,7 @@ class LLM:
         core = self._engine.core
         token_lists = [core.tokenize(p) for p in prompts]          # every error before any work
         for ids in token_lists:
-            core.scheduler.check_prompt_length(len(ids))
+            core.check_prompt_length(len(ids))
         results: list[Completion | None] = [None] * len(prompts)
 
         async def run(index: int) -> None:

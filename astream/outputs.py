@@ -22,6 +22,15 @@ class StreamToken:
     error: str | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class Progress:
+    """Prefill progress of a long prompt (not a token)."""
+
+    request_id: str
+    prefilled: int
+    total: int
+
+
 @dataclass(slots=True)
 class Completion:
     """The result of one finished request."""

@@ -1,16 +1,32 @@
-"""Per-request sampling parameters, validated when constructed."""
+"""Per-request sampling parameters, validated when constructed.
+
+Every field has a documented range (docs/PROTOCOL.md repeats it for the wire). A value
+that passes here can always become a device tensor and never costs the engine time
+out of proportion to the request: counts and lengths are bounded, floats are finite.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_INT64 = 2**63 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1          # beyond any context a model has
+MAX_TOKEN_ID = 2**31 - 1              # larger than every vocabulary
+SEED_RANGE = (-(2**63), 2**64 - 1)    # any 64-bit pattern, signed or not
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+GREEDY_BELOW = 1e-5                   # temperatures below this sample greedily
 
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """How one request turns logits into tokens and when it stops.
 
-    temperature 0 means greedy. A seed makes sampling reproducible: the same
-    prompt, params and seed give the same tokens whatever else is batched with it.
+    temperature 0 (or below 1e-5) means greedy. A seed makes sampling reproducible: the
+    same prompt, params and seed give the same tokens whatever else is batched with it.
+    top_k 0, or a value at least the vocabulary size, disables top-k.
     """
 
     temperature: float = 1.0
@@ -23,28 +39,33 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        _check(_is_number(self.temperature) and self.temperature >= 0,
-               f"temperature must be a number >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and 0 < self.top_p <= 1,
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", None))
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and math.isfinite(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(_is_int(self.top_k) and 0 <= self.top_k <= MAX_INT64,
+               f"top_k must be an integer >= 0 and < 2^63 (0 disables it), got {_short(self.top_k)}")
+        _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
+               f"max_tokens must be an integer >= 1 and < 2^31, got {_short(self.max_tokens)}")
+        _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+               f"seed must be null or an integer in [-2^63, 2^64), got {_short(self.seed)}")
+        _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+               f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
+               f"stop_token_ids must be integers in [0, 2^31), got {_short(self.stop_token_ids)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
-            _check(isinstance(s, str) and s != "", f"stop strings must be non-empty strings, got {s!r}")
+            _check(0 < len(s) <= MAX_STOP_STRING_CHARS and _is_unicode(s),
+                   f"stop strings must be non-empty valid unicode of at most {MAX_STOP_STRING_CHARS} "
+                   f"characters, got {_short(s)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @classmethod
     def from_dict(cls, params: dict) -> "SamplingParams":
@@ -56,6 +77,16 @@ class SamplingParams:
         return cls(**params)
 
 
+def _as_tuple(value: object, name: str, item_type: type | None) -> tuple:
+    if item_type is str and isinstance(value, str):
+        return (value,)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    if item_type is str and not all(isinstance(s, str) for s in value):
+        raise ValueError(f"{name} must hold only strings")
+    return tuple(value)
+
+
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -64,7 +95,23 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_unicode(s: str) -> bool:
+    """False for strings holding lone surrogates, which no UTF-8 text can carry."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """repr() cut to a readable length: error messages must not echo megabytes back."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-

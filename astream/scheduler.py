@@ -1,23 +1,28 @@
-"""Admission and continuous batching. Pure Python: no torch, no device.
+"""Admission, continuous batching and fairness. Pure Python: no torch, no device.
 
 Each step, every running sequence advances first (a decode is one token, an
 unfinished prompt gets its next chunk), then waiting sequences are admitted
 while the token budget, the sequence limit and the free KV blocks allow. When a
 running sequence needs a block and none is free, the most recently admitted
 sequence is preempted: its blocks are released and it is recomputed later.
+
+Fairness between clients (a client is whatever the caller names: a connection, a
+user): the next sequence admitted belongs to the client with the fewest running
+sequences, and when every running slot is taken, a client running two or more
+sequences more than the waiting one gives up its newest. A paused sequence (its
+consumer stopped reading) gives up its slot and blocks to anyone waiting, and is
+parked until it is resumed.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from astream.errors import PromptTooLongError
 from astream.kvcache.block_manager import BlockManager
+from astream.wait_queue import WaitQueue
 from astream.sequence import Sequence, SequenceStatus
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for a new token within max_model_len."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,7 +39,7 @@ class SchedulerConfig:
                              "sequence can decode each step")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class ScheduledSeq:
     seq: Sequence
     start: int          # position of the first token computed this step
@@ -42,11 +47,10 @@ class ScheduledSeq:
     sample: bool        # the chunk reaches the sequence's last token: sample the next one
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class ScheduledBatch:
     step: int
-    items: list[ScheduledSeq]            # chunks of more than one token first, then single tokens
-    preempted: list[Sequence] = field(default_factory=list)
+    items: tuple[ScheduledSeq, ...]      # chunks of more than one token first, then single tokens
 
     @property
     def num_tokens(self) -> int:
@@ -57,43 +61,102 @@ class ScheduledBatch:
 class Scheduler:
     config: SchedulerConfig
     blocks: BlockManager
-    waiting: deque = field(default_factory=deque)
+    waiting: WaitQueue = field(default_factory=WaitQueue)
     running: list[Sequence] = field(default_factory=list)
+    parked: list[Sequence] = field(default_factory=list)       # paused, holding no blocks
+    isolated: deque = field(default_factory=deque)             # from failed steps: run alone
     steps: int = 0
     preemptions: int = 0
 
     def add(self, seq: Sequence) -> None:
         self.check_prompt_length(seq.num_tokens)
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def check_prompt_length(self, num_tokens: int) -> None:
         if num_tokens >= self.config.max_model_len:
             raise PromptTooLongError(f"prompt has {num_tokens} tokens but max_model_len is "
-                             f"{self.config.max_model_len} (prompt plus at least one new token "
-                             "must fit)")
+                                     f"{self.config.max_model_len} (prompt plus at least one new "
+                                     "token must fit)")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.isolated)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End seq (stopped, length, aborted or failed) and return its blocks."""
         if seq.status is SequenceStatus.FINISHED:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        self._unlink(seq)
         self.blocks.release(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
+    # ---- backpressure: consumers that stop reading -----------------------------------------
+
+    def pause(self, seq: Sequence) -> None:
+        """Stop scheduling seq until `resume`; it keeps its blocks until someone needs them."""
+        if seq.paused or seq.is_finished:
+            return
+        seq.paused = True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.parked.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        if not seq.paused or seq.is_finished:
+            return
+        seq.paused = False
+        if seq in self.parked:
+            self.parked.remove(seq)
+            self.waiting.push_front(seq)
+
+    def paused(self) -> list[Sequence]:
+        return [s for s in self.running if s.paused] + self.parked
+
+    # ---- sampled tokens in flight ----------------------------------------------------------
+
+    def launched(self, sampled: list[Sequence]) -> None:
+        """A step that samples one token for each of `sampled` (in row order) was prepared."""
+        for row, seq in enumerate(sampled):
+            seq.num_pending += 1
+            seq.pending_row = row
+
+    def dropped(self, sampled: list[Sequence]) -> None:
+        """That step failed: its tokens never come."""
+        for seq in sampled:
+            seq.num_pending -= 1
+
+    def token_arrived(self, seq: Sequence, token_id: int) -> bool:
+        """A sampled id reached the host. False if seq ended while it was in flight."""
+        seq.num_pending -= 1
+        if seq.is_finished:
+            return False
+        seq.output_token_ids.append(token_id)
+        return True
+
+    # ---- failures ---------------------------------------------------------------------------
+
+    def record_fault(self, seq: Sequence) -> int:
+        """Count a failed step seq took part in; returns how many it has."""
+        seq.faults += 1
+        return seq.faults
+
+    def isolate(self, seq: Sequence) -> None:
+        """Recompute seq in a step of its own, so a repeated failure is pinned on it."""
+        self.preempt(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            self.isolated.append(seq)
+
+    # ---- steps ----------------------------------------------------------------------------
+
     def schedule(self) -> ScheduledBatch | None:
-        if self.waiting and self.waiting[0].isolate:
+        if self.isolated:
             batch = self._schedule_isolated()
             if batch is not None:
                 return batch
+        self._rebalance()
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -101,63 +164,103 @@ class Scheduler:
             if n <= 0 or seq.paused:
                 index += 1
                 continue
-            if not self._make_room(seq, n, preempted):
+            if not self._make_room(seq, n):
+                preempted = True
                 break                      # seq itself was preempted; it was the last one
             items.append(self._take(seq, n))
             budget -= n
             index += 1
         if not preempted:
-            budget = self._admit(budget, items)
+            self._admit(budget, items)
         if not items:
             return None
         self.steps += 1
         items.sort(key=lambda item: item.num_tokens == 1)
-        return ScheduledBatch(self.steps, items, preempted)
+        return ScheduledBatch(self.steps, tuple(items))
 
     def _schedule_isolated(self) -> ScheduledBatch | None:
         """A sequence from a failed step runs alone, so a repeat failure is its own."""
-        items: list[ScheduledSeq] = []
-        self._admit(self.config.max_num_batched_tokens, items, isolated=True)
-        if not items:
+        seq = self.isolated[0]
+        if seq.num_pending or len(self.running) >= self.config.max_num_seqs:
             return None
-        items[0].seq.isolate = False
+        item = self._try_admit(seq, self.config.max_num_batched_tokens)
+        if item is None:
+            return None
+        self.isolated.popleft()
         self.steps += 1
-        return ScheduledBatch(self.steps, items)
+        return ScheduledBatch(self.steps, (item,))
 
-    def _make_room(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+    def _rebalance(self) -> None:
+        """Free running slots for waiting clients: paused sequences first, then the newest
+        sequence of a client running at least two more than the waiting one."""
+        if len(self.running) < self.config.max_num_seqs:
+            return
+        counts = Counter(s.client for s in self.running)
+        for candidate in self.waiting.heads(counts):
+            victim = self._slot_victim(counts, counts[candidate.client])
+            if victim is None:
+                return
+            counts[victim.client] -= 1
+            counts[candidate.client] += 1          # it is next in line for the freed slot
+            self.preempt(victim)
+
+    def _slot_victim(self, counts: Counter, candidate_count: int) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq.paused:
+                return seq
+        richest = max(counts, key=lambda client: counts[client])
+        if counts[richest] < candidate_count + 2:
+            return None
+        return next(s for s in reversed(self.running) if s.client == richest)
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
         target = seq.num_computed_tokens + n
         while not self.blocks.can_grow(seq, target):
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if s.paused), self.running[-1])
             self.preempt(victim)
-            preempted.append(victim)
             if victim is seq:
                 return False
         self.blocks.grow(seq, target)
         return True
 
-    def _admit(self, budget: int, items: list[ScheduledSeq], isolated: bool = False) -> int:
-        watermark = max(1, self.blocks.num_blocks // 100)
+    def _admit(self, budget: int, items: list[ScheduledSeq]) -> None:
+        counts = Counter(s.client for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.num_pending or seq.isolate != isolated or (isolated and items):
-                break         # a sampled id still in flight, or a sequence that must run alone
-            self.blocks.reuse_cached_prefix(seq)
-            n = self._chunk(seq, budget)
-            if n <= 0:
-                self.blocks.release(seq)
+            seq = self.waiting.fairest(counts)
+            if seq.num_pending:
+                break         # a sampled id still in flight: it can be admitted next step
+            item = self._try_admit(seq, budget, reserve=self._watermark())
+            if item is None:
                 break
-            target = seq.num_computed_tokens + n
-            need = self.blocks.blocks_needed(target) - len(seq.block_table)
-            if need > self.blocks.num_free - (watermark if self.running else 0):
-                self.blocks.release(seq)
-                break
-            self.blocks.grow(seq, target)
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            items.append(self._take(seq, n))
-            budget -= n
-        return budget
+            self.waiting.remove(seq)
+            counts[seq.client] += 1
+            items.append(item)
+            budget -= item.num_tokens
+
+    def _watermark(self) -> int:
+        return max(1, self.blocks.num_blocks // 100) if self.running else 0
+
+    def _try_admit(self, seq: Sequence, budget: int, reserve: int = 0) -> ScheduledSeq | None:
+        """Give seq its blocks and its first chunk, or leave everything as it was."""
+        self.blocks.reuse_cached_prefix(seq)
+        n = self._chunk(seq, budget)
+        target = seq.num_computed_tokens + n
+        need = self.blocks.blocks_needed(target) - len(seq.block_table)
+        if n > 0 and need > self.blocks.num_free - reserve:
+            self._park_paused_for(need + reserve)
+        if n <= 0 or need > self.blocks.num_free - reserve:
+            self.blocks.release(seq)
+            return None
+        self.blocks.grow(seq, target)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return self._take(seq, n)
+
+    def _park_paused_for(self, blocks: int) -> None:
+        for victim in [s for s in reversed(self.running) if s.paused]:
+            if self.blocks.num_free >= blocks:
+                return
+            self.preempt(victim)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens seq computes this step: all it has left, or an aligned part of it."""
@@ -175,12 +278,24 @@ class Scheduler:
         return ScheduledSeq(seq, start, n, sample=seq.num_computed_tokens == seq.num_tokens)
 
     def preempt(self, seq: Sequence) -> None:
-        """Release seq's blocks and send it back to the front of the queue for recompute."""
+        """Release seq's blocks; it is recomputed later (once resumed, if it is paused)."""
         if seq.status is not SequenceStatus.RUNNING:
             return
         self.running.remove(seq)
         self.blocks.release(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.preemptions += 1
-        self.waiting.appendleft(seq)
+        if seq.paused:
+            self.parked.append(seq)
+        else:
+            self.waiting.push_front(seq)
+
+    def _unlink(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.parked:
+            self.parked.remove(seq)
+        elif seq in self.isolated:
+            self.isolated.remove(seq)

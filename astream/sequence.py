@@ -26,21 +26,18 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival: int                                    # admission order, lower first
+    arrival: int                                    # admission order: ties between clients
+    client: str = ""                                # fairness group (a connection, a user)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0                    # tokens whose KV is written or scheduled
-    num_cached_tokens: int = 0                      # prompt tokens served by the prefix cache
     num_hashed_blocks: int = 0                      # leading blocks already published to the cache
     num_pending: int = 0
-    num_preemptions: int = 0
     finish_reason: str | None = None
     paused: bool = False                            # its consumer fell behind (backpressure)
-    isolate: bool = False                           # was in a failed step: run it alone next
     faults: int = 0                                 # failed steps it took part in
-    # Host-side tallies for the pipeline: which step sampled the pending token, and
-    # the row it occupies in that step's sampled-ids tensor.
+    # The row the pending token occupies in its step's sampled-ids tensor.
     pending_row: int = -1
 
     @property
@@ -59,9 +56,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    def known_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Known token ids in [start, end) without building the whole list."""

@@ -8,9 +8,10 @@ stop string is held back, so a caller never sees part of one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from astream.sampling import SamplingParams
+from astream.stop_matcher import StopMatcher
 
 try:
     from tokenizers.decoders import DecodeStream
@@ -81,49 +82,38 @@ class RequestText:
     text: str = ""               # all decoded text, held-back tail included
     released: int = 0            # characters of `text` already handed out
     finished: str | None = None
-    token_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    stops: StopMatcher | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.stop and self.stops is None:
+            self.stops = StopMatcher.build(self.params.stop)
 
     def append(self, token_id: int, reached_max_len: bool) -> str:
         """Add one token; return newly released text. Sets `finished` when it ends."""
-        self.token_ids.append(token_id)
+        self.num_tokens += 1
         params = self.params
         if token_id in params.stop_token_ids or (token_id in self.eos_ids and not params.ignore_eos):
             self.finished = "stop"
             return self._release(len(self.text))
-        self.text += self.detokenizer.push(token_id)
-        stop_at = self._find_stop()
+        piece = self.detokenizer.push(token_id)
+        self.text += piece
+        stop_at = self.stops.feed(piece) if self.stops is not None else None
         if stop_at is not None:
             self.text = self.text[:stop_at]
             self.finished = "stop"
             return self._release(stop_at)
-        if len(self.token_ids) >= params.max_tokens or reached_max_len:
+        if self.num_tokens >= params.max_tokens or reached_max_len:
             self.finished = "length"
             self.text += self.detokenizer.flush()
             return self._release(len(self.text))
-        return self._release(len(self.text) - self._holdback())
+        held = self.stops.held if self.stops is not None else 0
+        return self._release(len(self.text) - held)
 
     def finish_early(self, reason: str) -> str:
         """End the request from outside (abort, error): release what is complete."""
         self.finished = reason
         return self._release(len(self.text))
-
-    def _find_stop(self) -> int | None:
-        if not self.params.stop:
-            return None
-        # A stop string can only end in the newly decoded text or span into it.
-        window_start = max(0, self.released - max(len(s) for s in self.params.stop))
-        hits = [i for i in (self.text.find(s, window_start) for s in self.params.stop) if i >= 0]
-        return min(hits) if hits else None
-
-    def _holdback(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.params.stop:
-            for n in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
 
     def _release(self, upto: int) -> str:
         upto = max(upto, self.released)

@@ -69,3 +69,29 @@ def tiny_qwen3(tmp_path_factory, smollm2_tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory, smollm2_tokenizer) -> Path:
     return _tiny_model(tmp_path_factory.mktemp("models"), "qwen2", smollm2_tokenizer)
+
+
+# ---- the websocket server tests (tests/test_server_*.py) --------------------------------------
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def server():
+    """One engine and server per test module, on a free loopback port."""
+    from astream import Engine
+    from astream.server import ServerOptions, StreamServer
+    from server_helpers import ENGINE_KW, OPTIONS
+
+    async with Engine(**ENGINE_KW) as engine:
+        async with StreamServer(engine, ServerOptions(**OPTIONS)) as srv:
+            yield srv
+
+
+@pytest.fixture(scope="module")
+async def idle_free(server):
+    from server_helpers import health
+
+    return (await health(server.port))["kv_blocks_free"]

@@ -111,9 +111,9 @@ async def test_stalled_consumer_does_not_delay_others(expected):
             steps_at.append(engine.stats()["steps"])
         assert len(steps_at) == 30
         assert steps_at[-1] - steps_at[0] <= len(steps_at) - 1 + 2, steps_at
-        handle = engine._ctx.registry.handles["stalled"]
-        assert handle.seq.paused
-        assert handle.backlog <= bound + 2                 # paused, not buffering without end
+        request = engine.core.requests["stalled"]
+        assert request.paused
+        assert request.sink.backlog <= bound + 2           # paused, not buffering without end
         rest = [tok async for tok in stalled]               # reading again resumes it
         assert [first.token_id] + [t.token_id for t in rest] == \
             (await engine.generate("Tell me about the sea.", stalled_params)).token_ids

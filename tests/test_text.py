@@ -43,7 +43,7 @@ def test_stop_string_is_cut_and_never_partly_released(smollm2_tokenizer):
 
 def test_max_tokens_and_eos_end_the_text(smollm2_tokenizer):
     pieces, state = stream_text(smollm2_tokenizer, "a b c d e f g h", SamplingParams(max_tokens=3))
-    assert state.finished == "length" and len(state.token_ids) == 3
+    assert state.finished == "length" and state.num_tokens == 3
     state = RequestText(SamplingParams(), IncrementalDetokenizer.start(smollm2_tokenizer, [1]),
                         frozenset({2}))
     state.append(smollm2_tokenizer("hi")["input_ids"][0], reached_max_len=False)

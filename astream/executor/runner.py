@@ -54,11 +54,14 @@ class StepOutput:
 
 @dataclass(slots=True)
 class ModelRunner:
+    """Runs steps over one KV backend: `cache` (device-resident, maybe with CUDA graphs),
+    or `offload` with its `tails` (host pool behind a device ring). Built by executor.build."""
+
     decoder: Decoder
-    cache: PagedKVCache | None          # the device-resident cache; None when offloading
     runtime: DeviceRuntime
     generator: torch.Generator
     block_size: int
+    cache: PagedKVCache | None = None
     graphs: DecodeGraphs | None = None
     offload: OffloadEngine | None = None
     tails: TailSlots | None = None
@@ -69,9 +72,11 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep | None:
         """Snapshot the batch into device tensors. Sequences that ended since scheduling drop out."""
-        batch.items = [item for item in batch.items if not item.seq.is_finished]
-        if not batch.items:
+        live = tuple(item for item in batch.items if not item.seq.is_finished)
+        if not live:
             return None
+        if len(live) < len(batch.items):
+            batch = ScheduledBatch(batch.step, live)
         device = self.runtime.device
         inputs = build_inputs(batch, self.block_size, device)
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)

@@ -30,12 +30,13 @@ class SamplingBatch:
 
 def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: torch.device) -> SamplingBatch:
     rows = [item.seq for item in items if item.sample]
-    temps = [seq.params.temperature for seq in rows]
-    top_k = [seq.params.top_k if seq.params.top_k > 0 else vocab_size for seq in rows]
+    temps = [0.0 if seq.params.greedy else seq.params.temperature for seq in rows]
+    # Validated top_k fits int64; beyond the vocabulary it is the same as no top-k.
+    top_k = [min(seq.params.top_k, vocab_size) or vocab_size for seq in rows]
     top_p = [seq.params.top_p for seq in rows]
     seeded = [(row, _mix(seq.params.seed, seq.num_output_tokens))
               for row, seq in enumerate(rows)
-              if seq.params.seed is not None and seq.params.temperature > 0]
+              if seq.params.seed is not None and not seq.params.greedy]
     any_top_k = any(k < vocab_size for k, t in zip(top_k, temps) if t > 0)
     any_top_p = any(p < 1.0 for p, t in zip(top_p, temps) if t > 0)
     return SamplingBatch(

@@ -67,9 +67,8 @@ class BlockManager:
             hits += 1
         self.prefix_hits += hits
         seq.num_hashed_blocks = hits
-        seq.num_cached_tokens = hits * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens
-        return seq.num_cached_tokens
+        seq.num_computed_tokens = hits * self.block_size
+        return seq.num_computed_tokens
 
     def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
         """Publish the full blocks among seq's first num_written tokens (KV on the device).
@@ -133,7 +132,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

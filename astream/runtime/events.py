@@ -25,9 +25,9 @@ async def wait_event(event) -> None:
     await anyio.to_thread.run_sync(event.synchronize, abandon_on_cancel=True)
 
 
-async def run_off_loop(fn: Callable[..., T], *args) -> T:
+async def run_off_loop(fn: Callable[..., T], *args, limiter: anyio.CapacityLimiter | None = None) -> T:
     """Run blocking host work (CPU compute, long tokenization) in a worker thread."""
-    return await anyio.to_thread.run_sync(fn, *args)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
 async def drive(program: Generator[object, None, T], run_ahead: int) -> T:

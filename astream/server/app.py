@@ -5,7 +5,9 @@
         ...                              # serve until told to stop
         await server.shutdown()          # drain, then abort what is left, then close 1001
 
-Runs on asyncio (uvloop included): websockets' server is asyncio-only.
+Runs on asyncio (uvloop included): websockets' server is asyncio-only. If the engine
+stops after an internal fault, the server keeps running: /health answers 503 with
+status "engine_stopped", and every new request gets an `engine_error` frame.
 """
 
 from __future__ import annotations
@@ -15,34 +17,32 @@ import itertools
 import anyio
 from websockets.asyncio.server import Server, ServerConnection, serve
 
-from astream.engine import Engine, EngineClosedError
+from astream.engine import Engine
 from astream.server.http import make_process_request
 from astream.server.options import ServerOptions
-from astream.server.protocol import PROTOCOL_VERSION
 from astream.server.session import Session
+from astream.server.state import ServerState
 
 _ABORT_GRACE_S = 5.0        # after aborting, time for relays to send their "abort" done frames
+_TRY_AGAIN_LATER = 1013     # websocket close code for a server at its connection limit
 
 
 class StreamServer:
     def __init__(self, engine: Engine, options: ServerOptions | None = None) -> None:
         self.engine = engine
         self.options = options or ServerOptions()
-        self.closing = False
+        self.state = ServerState(engine, self.options,
+                                 self.options.requests_per_connection(engine.config.max_num_seqs))
         self._sessions: set[Session] = set()
         self._serials = itertools.count(1)
-        self._live = 0
-        self._idle: anyio.Event | None = None
         self._hurry: anyio.Event | None = None
         self._ws: Server | None = None
         self._port = 0
 
     async def __aenter__(self) -> "StreamServer":
-        self._idle, self._hurry = anyio.Event(), anyio.Event()
-        self._idle.set()
-        process_request = make_process_request(self.options.api_key, self.health)
+        self._hurry = anyio.Event()
         self._ws = await serve(self._handle, self.options.host, self.options.port,
-                               process_request=process_request,
+                               process_request=make_process_request(self.state),
                                max_size=self.options.max_frame_bytes, compression=None)
         self._port = self._ws.sockets[0].getsockname()[1]
         return self
@@ -54,6 +54,10 @@ class StreamServer:
             await self.shutdown(0 if exc_info[0] is not None else None)
 
     @property
+    def closing(self) -> bool:
+        return self.state.closing
+
+    @property
     def port(self) -> int:
         return self._port
 
@@ -63,33 +67,19 @@ class StreamServer:
         return f"ws://{f'[{host}]' if ':' in host else host}:{self.port}"
 
     def health(self) -> dict:
-        try:
-            stats = self.engine.stats()
-            status = ("engine_stopped" if not self.engine.running
-                      else "shutting_down" if self.closing else "ok")
-        except EngineClosedError:
-            stats, status = {}, "engine_stopped"
-        return {"status": status, "protocol": PROTOCOL_VERSION, "connections": len(self._sessions),
-                "live_requests": self._live, **stats}
-
-    # ---- bookkeeping shared by the sessions ----------------------------------------------
-
-    def request_started(self) -> None:
-        self._live += 1
-        if self._idle.is_set():
-            self._idle = anyio.Event()
-
-    def request_ended(self) -> None:
-        self._live -= 1
-        if self._live == 0:
-            self._idle.set()
+        return self.state.health()
 
     async def _handle(self, ws: ServerConnection) -> None:
-        session = Session(ws, self, next(self._serials))
+        if self.state.connections >= self.options.max_connections:   # raced past the handshake check
+            await ws.close(_TRY_AGAIN_LATER, "too many connections")
+            return
+        session = Session(ws, self.state, next(self._serials))
         self._sessions.add(session)
+        self.state.connections += 1
         try:
             await session.run()
         finally:
+            self.state.connections -= 1
             self._sessions.discard(session)
 
     # ---- shutdown -------------------------------------------------------------------------
@@ -105,14 +95,14 @@ class StreamServer:
         if self._ws is None:
             return
         ws, self._ws = self._ws, None
-        self.closing = True
+        self.state.closing = True
         ws.server.close()                      # stops listening; open connections keep going
         with anyio.move_on_after(self.options.shutdown_timeout if timeout is None else timeout):
             await self._wait_idle_or_hurry()
         for session in list(self._sessions):
             await session.abort_all()
         with anyio.move_on_after(_ABORT_GRACE_S):
-            await self._idle.wait()
+            await self.state.idle.wait()
         ws.close()                             # code 1001, going away
         await ws.wait_closed()
 
@@ -122,5 +112,5 @@ class StreamServer:
                 await event.wait()
                 group.cancel_scope.cancel()
 
-            group.start_soon(wait, self._idle)
+            group.start_soon(wait, self.state.idle)
             group.start_soon(wait, self._hurry)

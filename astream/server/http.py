@@ -1,4 +1,10 @@
-"""Plain HTTP on the websocket port: GET /health, and the API key check of every handshake."""
+"""Plain HTTP on the websocket port: GET /health, and the checks of every handshake.
+
+A handshake is refused with an HTTP status before any websocket opens: 400 for a
+request with two Authorization or Origin headers, 503 when the server holds
+`max_connections` already, 403 for a browser Origin that is not allowed (only
+checked when no API key is set: with a key, the key is the guard), 401 without the key.
+"""
 
 from __future__ import annotations
 
@@ -10,25 +16,48 @@ from typing import Awaitable, Callable
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
 
+from astream.server.state import ServerState
+
 HEALTH_PATH = "/health"
 
 ProcessRequest = Callable[[ServerConnection, Request], Awaitable[Response | None]]
 
 
-def make_process_request(api_key: str | None, health: Callable[[], dict]) -> ProcessRequest:
-    """websockets' process_request hook: answer /health, refuse handshakes without the key."""
+def make_process_request(state: ServerState) -> ProcessRequest:
+    """websockets' process_request hook: answer /health, then guard the handshake."""
 
     async def process_request(connection: ServerConnection, request: Request) -> Response | None:
         if request.path.partition("?")[0] == HEALTH_PATH:
-            return json_response(connection, HTTPStatus.OK, health())
-        if api_key is not None and not _authorized(request.headers.get("Authorization"), api_key):
-            response = connection.respond(HTTPStatus.UNAUTHORIZED,
-                                          "missing or wrong API key: send 'Authorization: Bearer KEY'\n")
-            response.headers["WWW-Authenticate"] = 'Bearer realm="astream"'
-            return response
-        return None
+            health = state.health()
+            status = HTTPStatus.OK if health["status"] == "ok" else HTTPStatus.SERVICE_UNAVAILABLE
+            return json_response(connection, status, health)
+        return refusal(connection, request, state)
 
     return process_request
+
+
+def refusal(connection: ServerConnection, request: Request, state: ServerState) -> Response | None:
+    """The response refusing this handshake, or None to let it through."""
+    options = state.options
+    authorization = request.headers.get_all("Authorization")
+    origins = request.headers.get_all("Origin")
+    if len(authorization) > 1 or len(origins) > 1:
+        return connection.respond(HTTPStatus.BAD_REQUEST, "send at most one Authorization and one "
+                                  "Origin header\n")
+    if state.connections >= options.max_connections:
+        return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; try again "
+                                  "later\n")
+    if options.api_key is None:
+        if origins and origins[0] not in options.allowed_origins:
+            return connection.respond(HTTPStatus.FORBIDDEN, "websocket connections from this "
+                                      "Origin are not allowed (see --allowed-origin)\n")
+        return None
+    if not _authorized(authorization[0] if authorization else None, options.api_key):
+        response = connection.respond(HTTPStatus.UNAUTHORIZED,
+                                      "missing or wrong API key: send 'Authorization: Bearer KEY'\n")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="astream"'
+        return response
+    return None
 
 
 def json_response(connection: ServerConnection, status: HTTPStatus, body: dict) -> Response:
@@ -41,4 +70,5 @@ def json_response(connection: ServerConnection, status: HTTPStatus, body: dict) 
 def _authorized(header: str | None, api_key: str) -> bool:
     scheme, _, token = (header or "").partition(" ")
     # compare_digest: the time taken must not reveal how much of the key matched.
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    offered = token.strip().encode("utf-8", "surrogateescape")
+    return scheme.lower() == "bearer" and hmac.compare_digest(offered, api_key.encode())

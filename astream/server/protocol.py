@@ -14,6 +14,7 @@ from astream.tokenization import Prompt
 
 PROTOCOL_VERSION = "astream-ws/1"
 MAX_ID_CHARS = 256
+MAX_JSON_DEPTH = 8             # the deepest valid frame nests 3 levels
 
 # Stable error codes (docs/PROTOCOL.md lists when each is sent).
 INVALID_JSON = "invalid_json"
@@ -64,10 +65,7 @@ def parse_frame(message: str | bytes, max_tokens_cap: int) -> Generate | Cancel:
     """One received websocket message -> a request; raises FrameError for anything invalid."""
     if not isinstance(message, str):
         raise FrameError(BINARY_FRAME, "binary frames are not part of the protocol; send JSON text")
-    try:
-        frame = json.loads(message)
-    except ValueError as exc:
-        raise FrameError(INVALID_JSON, f"frame is not valid JSON: {exc}") from None
+    frame = _load_json(message)
     if not isinstance(frame, dict):
         raise FrameError(INVALID_FIELD, f"a frame must be a JSON object, got {_json_type(frame)}")
     kind = frame.get("type")
@@ -79,8 +77,40 @@ def parse_frame(message: str | bytes, max_tokens_cap: int) -> Generate | Cancel:
         request_id = _request_id(frame)
         _reject_unknown_fields(frame, _CANCEL_FIELDS, request_id)
         return Cancel(request_id)
-    raise FrameError(UNKNOWN_TYPE, f"unknown frame type {kind!r}; expected 'generate' or 'cancel'",
-                     _loose_id(frame))
+    raise FrameError(UNKNOWN_TYPE, f"unknown frame type {_short(kind)}; expected 'generate' or "
+                     "'cancel'", _loose_id(frame))
+
+
+def _load_json(message: str) -> object:
+    """Strict JSON: no NaN or Infinity, nesting at most MAX_JSON_DEPTH deep."""
+    try:
+        frame = json.loads(message, parse_constant=_no_constant)
+    except RecursionError:
+        raise FrameError(INVALID_JSON, f"frame nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:
+        raise FrameError(INVALID_JSON, f"frame is not valid JSON: {str(exc)[:200]}") from None
+    if _depth(frame) > MAX_JSON_DEPTH:
+        raise FrameError(INVALID_JSON, f"frame nests deeper than {MAX_JSON_DEPTH} levels")
+    return frame
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion (arrays and objects count a level)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            return depth
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _parse_generate(frame: dict, max_tokens_cap: int) -> Generate:
@@ -96,26 +126,33 @@ def _parse_generate(frame: dict, max_tokens_cap: int) -> Generate:
 
 def _request_id(frame: dict) -> str:
     value = frame.get("id")
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
-        raise FrameError(INVALID_FIELD, f"field 'id' must be a string of 1 to {MAX_ID_CHARS} characters")
+    if not _is_id(value):
+        raise FrameError(INVALID_FIELD, f"field 'id' must be a string of 1 to {MAX_ID_CHARS} "
+                         "characters of valid unicode")
     return value
 
 
 def _loose_id(frame: dict) -> str | None:
     """The frame's id for an error frame, when it is a usable one."""
     value = frame.get("id")
-    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS else None
+    return value if _is_id(value) else None
+
+
+def _is_id(value: object) -> bool:
+    # A lone surrogate cannot be written back in UTF-8: such an id could never be answered.
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and _is_unicode(value)
 
 
 def _reject_unknown_fields(frame: dict, known: frozenset, request_id: str) -> None:
     unknown = sorted(set(frame) - known)
     if unknown:
-        raise FrameError(UNKNOWN_FIELD, f"unknown field(s) {unknown} in a {frame['type']!r} frame; "
-                         f"known: {sorted(known)}", request_id)
+        raise FrameError(UNKNOWN_FIELD, f"unknown field(s) {_short(unknown)} in a {frame['type']!r} "
+                         f"frame; known: {sorted(known)}", request_id)
 
 
 def _prompt(value: object, request_id: str) -> Prompt:
     if isinstance(value, str) and value:
+        _check_text(value, "prompt", request_id)
         return value
     if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
         return list(value)
@@ -131,7 +168,23 @@ def _messages(value: object, request_id: str) -> list[dict]:
                 and isinstance(message.get("content"), str)):
             raise FrameError(INVALID_FIELD, f"messages[{i}] must be an object with string 'role' "
                              "and 'content'", request_id)
+        _check_text(message["role"], f"messages[{i}].role", request_id)
+        _check_text(message["content"], f"messages[{i}].content", request_id)
     return list(value)
+
+
+def _check_text(value: str, name: str, request_id: str) -> None:
+    if not _is_unicode(value):
+        raise FrameError(INVALID_PROMPT, f"{name} is not valid unicode (it holds a lone surrogate)",
+                         request_id)
+
+
+def _is_unicode(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingParams:
@@ -140,15 +193,15 @@ def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingPara
     known = {f.name for f in fields(SamplingParams)}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise FrameError(UNKNOWN_PARAM, f"unknown param(s) {unknown}; known: {sorted(known)}",
-                         request_id)
+        raise FrameError(UNKNOWN_PARAM, f"unknown param(s) {_short(unknown)}; known: "
+                         f"{sorted(known)}", request_id)
     for name, item in value.items():
         _check_param_type(name, item, request_id)
     params = dict(value)
     max_tokens = params.setdefault("max_tokens", min(_DEFAULT_MAX_TOKENS, max_tokens_cap))
     if max_tokens > max_tokens_cap:
-        raise FrameError(MAX_TOKENS_CAP, f"max_tokens {max_tokens} is above this server's cap of "
-                         f"{max_tokens_cap}", request_id)
+        raise FrameError(MAX_TOKENS_CAP, f"max_tokens {_short(max_tokens)} is above this server's "
+                         f"cap of {max_tokens_cap}", request_id)
     try:
         return SamplingParams.from_dict(params)
     except ValueError as exc:
@@ -181,6 +234,14 @@ def _is_number(value: object) -> bool:
     return isinstance(value, _NUMBER) and not isinstance(value, bool)
 
 
+def _short(value: object, limit: int = 80) -> str:
+    """repr() cut short: an error frame must not echo a megabyte back."""
+    if _is_int(value) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _json_type(value: object) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
              float: "number", type(None): "null"}
@@ -190,7 +251,13 @@ def _json_type(value: object) -> str:
 # ---- server frames -------------------------------------------------------------------
 
 def encode(frame: dict) -> str:
-    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    """A server frame as JSON text that is always valid UTF-8 when sent."""
+    text = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:               # a lone surrogate: escaped, it is still valid JSON
+        text = json.dumps(frame, separators=(",", ":"))
+    return text
 
 
 def token_frame(request_id: str, token: StreamToken) -> dict:

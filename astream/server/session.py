@@ -10,21 +10,17 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
-from astream.engine import EngineClosedError, RequestStream
-from astream.outputs import StreamToken
-from astream.scheduler import PromptTooLongError
+from astream.errors import EngineClosedError, PromptTooLongError
+from astream.outputs import Progress, StreamToken
+from astream.request_stream import RequestStream
 from astream.server import protocol as p
-from astream.stages.requests import Progress
-
-if TYPE_CHECKING:
-    from astream.server.app import StreamServer
+from astream.server.state import ServerState
 
 log = logging.getLogger("astream.server")
 
@@ -41,7 +37,7 @@ class _Prefill:
 
 
 class Session:
-    def __init__(self, ws: ServerConnection, server: "StreamServer", serial: int) -> None:
+    def __init__(self, ws: ServerConnection, server: ServerState, serial: int) -> None:
         self.ws = ws
         self.server = server
         self.serial = serial
@@ -91,7 +87,7 @@ class Session:
                                "connection", frame.id)
         if self.server.closing:
             raise p.FrameError(p.SHUTTING_DOWN, "the server is shutting down", frame.id)
-        limit = self.server.options.max_requests_per_connection
+        limit = self.server.requests_per_connection
         if len(self.live) >= limit:
             raise p.FrameError(p.TOO_MANY_REQUESTS, f"this connection already has {limit} live "
                                "requests, the server's limit", frame.id)
@@ -99,9 +95,11 @@ class Session:
         engine_id = f"ws{self.serial}.{next(self._numbers)}/{frame.id}"
         try:
             request = await self.server.engine.request(frame.prompt, frame.params, engine_id,
-                                                       progress=True)
+                                                       progress=True, client=f"ws{self.serial}")
         except EngineClosedError as exc:
             raise p.FrameError(p.ENGINE_ERROR, str(exc), frame.id) from None
+        except PromptTooLongError as exc:          # refused by size, before tokenization
+            raise p.FrameError(p.PROMPT_TOO_LONG, str(exc), frame.id) from None
         except ValueError as exc:                  # the engine still holds this id
             raise p.FrameError(p.DUPLICATE_ID, str(exc), frame.id) from None
         self.live[frame.id] = engine_id

@@ -1,4 +1,4 @@
-"""What the stages share, passed explicitly: the core, the request registry and the signals."""
+"""What the stages share, passed explicitly: the core and the signals between stages."""
 
 from __future__ import annotations
 
@@ -6,11 +6,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from astream.core import EngineCore
+from astream.core import EngineCore, ScheduledBatch
+from astream.request import Request
 from astream.runtime.events import Notifier
-from astream.sampling import SamplingParams
-from astream.scheduler import ScheduledBatch
-from astream.stages.requests import RequestHandle, RequestRegistry
 from astream.tokenization import Prompt
 
 # Steps launched but not yet emitted. Two lets step n+1 run on the device while
@@ -21,24 +19,22 @@ STEPS_IN_FLIGHT = 2
 @dataclass(slots=True)
 class StageContext:
     core: EngineCore
-    registry: RequestRegistry
     wake: Notifier                       # something changed that may let the scheduler run
     step_slots: anyio.Semaphore          # bounds steps between schedule and emit
     long_prompt_chars: int = 20_000      # longer string prompts are tokenized off the loop thread
+    tokenizer_threads: int = 2           # long prompts tokenized at once
 
 
 @dataclass(slots=True)
 class Submission:
-    handle: RequestHandle
+    request: Request
     prompt: Prompt
-    params: SamplingParams
 
 
 @dataclass(slots=True)
 class Admission:
-    handle: RequestHandle
+    request: Request
     prompt_ids: list[int]
-    params: SamplingParams
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from astream.core import TokenEvent
+from astream.core import ScheduledBatch
 from astream.runtime.events import drive
 from astream.stages.context import StageContext
 
@@ -22,9 +22,11 @@ log = logging.getLogger("astream")
 LAYERS_AHEAD = 4
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class FailedStep:
-    events: list[TokenEvent]
+    """A step that raised; the core has already ended or requeued its sequences."""
+
+    batch: ScheduledBatch
 
 
 async def forward_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
@@ -32,20 +34,24 @@ async def forward_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
     core, previous = ctx.core, None
     async with inbox, outbox:
         async for ticket in inbox:
-            step = core.prepare(ticket.batch)
-            if step is None:                              # everything in it ended meanwhile
-                ticket.launched.set()
-                ctx.step_slots.release()
-                continue
+            step = None
             try:
+                # Preparing is inside the fault isolation too: whatever a batch holds, a
+                # failure ends (or retries alone) only the sequences in it.
+                step = core.prepare(ticket.batch)
+                if step is None:                          # everything in it ended meanwhile
+                    ticket.launched.set()
+                    ctx.step_slots.release()
+                    continue
                 if core.runtime.is_cuda:
-                    output = await drive(core.runner.program(step, previous), LAYERS_AHEAD)
+                    output = await drive(core.program(step, previous), LAYERS_AHEAD)
                 else:
                     output = await core.runtime.run(core.launch, step, previous)
             except Exception as exc:
-                log.exception("step %d failed", step.batch.step)
+                log.exception("step %d failed", ticket.batch.step)
                 ticket.launched.set()
-                await outbox.send(FailedStep(core.fail_step(step, exc)))
+                core.fail_step(ticket.batch, step, exc)
+                await outbox.send(FailedStep(ticket.batch))
                 continue
             previous = output
             ticket.launched.set()

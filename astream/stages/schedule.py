@@ -18,8 +18,7 @@ async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> N
             await ctx.step_slots.acquire()
             batch = None
             while batch is None:
-                for handle in ctx.registry.resumable():
-                    handle.seq.paused = False
+                ctx.core.resume_caught_up()
                 batch = ctx.core.schedule()
                 if batch is None:
                     await ctx.wake.wait()

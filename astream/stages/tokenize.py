@@ -1,28 +1,43 @@
-"""Stage: prompt (text, ids or chat) -> token ids. Long prompts are tokenized off the loop thread."""
+"""Stage: prompt (text, ids or chat) -> token ids.
+
+Short prompts are tokenized inline; long ones on worker threads, several at once,
+so one huge prompt holds up neither the loop nor the prompts behind it.
+"""
 
 from __future__ import annotations
 
+import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from astream.runtime.events import run_off_loop
-from astream.stages.context import Admission, StageContext
+from astream.stages.context import Admission, StageContext, Submission
 
 
 async def tokenize_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
                          outbox: MemoryObjectSendStream) -> None:
+    limiter = anyio.CapacityLimiter(ctx.tokenizer_threads)
     async with inbox, outbox:
-        async for sub in inbox:
-            if ctx.registry.handles.get(sub.handle.request_id) is not sub.handle:
-                continue                                  # aborted while queued
-            try:
+        async with anyio.create_task_group() as workers:     # closes before outbox does
+            async for sub in inbox:
+                if not ctx.core.is_live(sub.request):
+                    continue                                  # aborted while queued
                 if _is_long(sub.prompt, ctx.long_prompt_chars):
-                    ids = await run_off_loop(ctx.core.tokenize, sub.prompt)
+                    workers.start_soon(_tokenize, ctx, sub, outbox, limiter)
                 else:
-                    ids = ctx.core.tokenize(sub.prompt)
-            except Exception as exc:                      # bad prompt: this request only
-                ctx.registry.reject(sub.handle, exc)
-                continue
-            await outbox.send(Admission(sub.handle, ids, sub.params))
+                    await _tokenize(ctx, sub, outbox, None)
+
+
+async def _tokenize(ctx: StageContext, sub: Submission, outbox: MemoryObjectSendStream,
+                    limiter: anyio.CapacityLimiter | None) -> None:
+    try:
+        if limiter is None:
+            ids = ctx.core.tokenize(sub.prompt)
+        else:
+            ids = await run_off_loop(ctx.core.tokenize, sub.prompt, limiter=limiter)
+    except Exception as exc:                                  # a bad prompt: this request only
+        ctx.core.reject(sub.request, exc)
+        return
+    await outbox.send(Admission(sub.request, ids))
 
 
 def _is_long(prompt, limit: int) -> bool:

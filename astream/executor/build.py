@@ -1,0 +1,40 @@
+"""Assemble a ModelRunner with its KV backend: the device paged cache (and CUDA graphs),
+or the host pool behind the OffloadEngine."""
+
+from __future__ import annotations
+
+import torch
+
+from astream.config import EngineConfig
+from astream.executor.cuda_graphs import DecodeGraphs
+from astream.executor.offload_plan import TailSlots
+from astream.executor.runner import ModelRunner
+from astream.kvcache.offload_engine import OffloadEngine
+from astream.kvcache.paged_cache import PagedKVCache
+from astream.kvcache.sizing import CachePlan
+from astream.models.decoder import Decoder
+from astream.policies import make_policy
+from astream.runtime.device import DeviceRuntime
+
+
+def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder,
+                 runtime: DeviceRuntime) -> ModelRunner:
+    dtype, device = decoder.dtype, runtime.device
+    generator = torch.Generator(device=device)
+    generator.manual_seed(config.seed)
+    if config.offload:
+        sizes = plan.offload
+        offload = OffloadEngine.allocate(
+            decoder.config, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
+            sizes.staging_blocks, config.max_num_seqs, dtype, runtime, make_policy(config.sparse_policy))
+        return ModelRunner(decoder, runtime, generator, plan.block_size, offload=offload,
+                           tails=TailSlots(config.max_num_seqs))
+    cache = PagedKVCache.allocate(decoder.config, plan.num_blocks, plan.block_size, dtype, device)
+    graphs = None
+    if runtime.is_cuda and not config.enforce_eager:
+        graphs = DecodeGraphs(decoder, cache, min(config.cuda_graph_max_batch, config.max_num_seqs),
+                              max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
+                              max_context=plan.max_model_len)
+        with torch.inference_mode():
+            graphs.capture()
+    return ModelRunner(decoder, runtime, generator, plan.block_size, cache=cache, graphs=graphs)

@@ -1,0 +1,88 @@
+"""Per-request output channels: the engine's RequestSink, with delivery timing.
+
+Each request owns an unbounded memory stream, but the core counts what sits unread
+in it (`backlog`): when a consumer falls `stream_buffer_tokens` behind, its sequence
+is paused, and resumed once the consumer has read half of the backlog. Other
+requests never wait for it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from astream.outputs import Progress, StreamToken
+
+
+@dataclass(slots=True, frozen=True)
+class Rejected:
+    """The first and only item of a request that failed before producing anything."""
+
+    error: Exception
+
+
+@dataclass(slots=True)
+class RequestChannel:
+    request_id: str
+    send: MemoryObjectSendStream
+    receive: MemoryObjectReceiveStream
+    submitted_at: float = field(default_factory=time.perf_counter)
+    next_index: int = 0
+    tokens_sent: int = 0                 # real tokens (the final marker of an abort is not one)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+
+    @classmethod
+    def open(cls, request_id: str) -> "RequestChannel":
+        send, receive = anyio.create_memory_object_stream(math.inf)
+        return cls(request_id, send, receive)
+
+    # ---- the RequestSink protocol (called by the core) ------------------------------------
+
+    def token(self, token_id: int, text: str, finish_reason: str | None,
+              error: str | None = None) -> bool:
+        now = time.perf_counter()
+        if token_id >= 0:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+            self.tokens_sent += 1
+        item = StreamToken(self.request_id, self.next_index, token_id, text, finish_reason, error)
+        self.next_index += 1
+        return self._put(item, finish_reason)
+
+    def progress(self, prefilled: int, total: int) -> None:
+        self._put(Progress(self.request_id, prefilled, total), None)
+
+    def reject(self, error: Exception) -> None:
+        self._put(Rejected(error), "error")
+
+    @property
+    def backlog(self) -> int:
+        return self.receive.statistics().current_buffer_used
+
+    # ---- consumer side ----------------------------------------------------------------------
+
+    def timing(self) -> dict:
+        """Time to first token and mean time per later token, in milliseconds."""
+        if self.first_token_at is None:
+            return {"ttft_ms": None, "tpot_ms": None}
+        later = self.tokens_sent - 1
+        tpot = (self.last_token_at - self.first_token_at) / later * 1e3 if later > 0 else None
+        return {"ttft_ms": (self.first_token_at - self.submitted_at) * 1e3, "tpot_ms": tpot}
+
+    def _put(self, item: object, finish_reason: str | None) -> bool:
+        if self.finish_reason is not None:
+            return False
+        try:
+            self.send.send_nowait(item)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+            self.send.close()
+        return True

@@ -1,0 +1,125 @@
+"""Fairness: one client's burst or unread streams cannot hold another client's first token."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from websockets.asyncio.client import connect
+
+from astream import Engine, SamplingParams
+from astream.kvcache.block_manager import BlockManager
+from astream.sampling import SamplingParams as P
+from astream.scheduler import Scheduler, SchedulerConfig
+from astream.sequence import Sequence, SequenceStatus
+from server_helpers import Wire, generate, health, serving
+
+ENGINE_KW = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=1024)
+ENDLESS = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+# ---- the scheduler alone ----------------------------------------------------------------
+
+def make(max_seqs: int = 4, blocks: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_seqs, 64, 64), BlockManager(blocks, 4))
+
+
+def add(sched: Scheduler, name: str, client: str, arrival: int) -> Sequence:
+    seq = Sequence(name, [1, 2, 3], P(max_tokens=8), arrival, client)
+    sched.add(seq)
+    return seq
+
+
+def test_admission_alternates_between_clients():
+    sched = make(max_seqs=4)
+    for i in range(4):
+        add(sched, f"a{i}", "a", i)
+    add(sched, "b0", "b", 10)
+    batch = sched.schedule()
+    assert [item.seq.request_id for item in batch.items] == ["a0", "b0", "a1", "a2"]
+
+
+def test_a_full_house_gives_a_slot_to_a_new_client():
+    sched = make(max_seqs=4)
+    hogs = [add(sched, f"a{i}", "a", i) for i in range(4)]
+    sched.schedule()
+    assert all(s.status is SequenceStatus.RUNNING for s in hogs)
+    newcomer = add(sched, "b0", "b", 10)
+    batch = sched.schedule()
+    assert newcomer in [item.seq for item in batch.items]
+    assert hogs[-1].status is SequenceStatus.WAITING                 # the newest hog yields
+    assert sched.preemptions == 1
+    sched.schedule()
+    assert hogs[-1].status is SequenceStatus.WAITING                 # 3 to 1: no more swapping
+    assert sched.preemptions == 1
+
+
+def test_paused_sequences_park_when_others_wait_and_return_when_resumed():
+    sched = make(max_seqs=2)
+    a, _ = add(sched, "a", "x", 0), add(sched, "b", "x", 1)
+    sched.schedule()
+    sched.pause(a)
+    c = add(sched, "c", "x", 2)
+    batch = sched.schedule()
+    assert [item.seq for item in batch.items] == [c]
+    assert a in sched.parked and a.block_table == []
+    sched.resume(a)
+    assert a in sched.waiting and a not in sched.parked
+    sched.finish(c, "stop")
+    assert a in [item.seq for item in sched.schedule().items]
+
+
+# ---- through the engine -------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_another_clients_first_token_comes_within_a_few_steps():
+    async with Engine(max_num_seqs=4, **ENGINE_KW) as engine:
+        hogs = [await engine.request(f"Story {i}:", ENDLESS, client="hog") for i in range(4)]
+        while engine.stats()["running"] < 4:
+            await anyio.sleep(0.01)
+        before = engine.stats()["steps"]
+        async for _ in engine.stream("Hi", SamplingParams(temperature=0, max_tokens=1), client="b"):
+            break
+        assert engine.stats()["steps"] - before <= 4
+        for hog in hogs:
+            await hog.aclose()
+
+
+@pytest.mark.anyio
+async def test_unread_streams_give_their_slots_to_waiting_requests(smol_llm):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    async with Engine(max_num_seqs=2, stream_buffer_tokens=4, **ENGINE_KW) as engine:
+        idle_free = engine.stats()["kv_blocks_free"]
+        stalled = [await engine.request(f"Count to {i}:", params) for i in (3, 5)]
+        firsts = [await s.__anext__() for s in stalled]                # then stop reading
+        while engine.stats()["paused"] < 2:
+            await anyio.sleep(0.01)
+        third = await engine.generate("Hello there", SamplingParams(temperature=0, max_tokens=8))
+        assert len(third.token_ids) == 8                              # it got a slot
+        assert engine.stats()["paused"] == 2
+        for i, (stream, first) in zip((3, 5), zip(stalled, firsts)):
+            rest = [tok.token_id async for tok in stream]            # reading resumes them
+            assert [first.token_id] + rest == smol_llm.generate([f"Count to {i}:"], params)[0].token_ids
+        while engine.stats()["kv_blocks_free"] != idle_free:
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.anyio
+async def test_a_client_holding_every_slot_unread_cannot_starve_another():
+    async with serving({"max_num_seqs": 4}, max_requests_per_connection=4) as srv:
+        async with connect(srv.url, max_queue=1) as hog, connect(srv.url) as ws:
+            for i in range(4):                                # never read
+                await Wire(hog).send(generate(f"h{i}", f"Story {i}:", temperature=0, max_tokens=64,
+                                              ignore_eos=True))
+            while (await health(srv.port))["running"] < 4:
+                await anyio.sleep(0.01)
+            before = (await health(srv.port))["steps"]
+            wire = Wire(ws)
+            await wire.send(generate("b", "Hi", temperature=0, max_tokens=2))
+            await wire.first_token("b")
+            assert (await health(srv.port))["steps"] - before <= 6
+
