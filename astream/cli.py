@@ -113,8 +113,10 @@ def _configs(args: argparse.Namespace) -> tuple:
 
     if args.run is _graph:
         return ()
+    from astream.engine import Engine
+
     engine = _pick(args, EngineConfig, _engine_skip(args.run))
-    EngineConfig.from_kwargs(args.model, **engine)
+    Engine.check_options(args.model, **engine)
     if args.run is _serve:
         if args.api_key == "" and os.environ.get(API_KEY_ENV) == "":
             raise ValueError(f"${API_KEY_ENV} is set but empty; unset it to serve without a key")

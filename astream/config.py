@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,16 +37,23 @@ class EngineConfig:
     # KV offload: the cache lives in (pinned) host memory behind a small GPU ring.
     offload: bool = False
     offload_host_gib: float | None = None  # host KV pool; None: what max_num_seqs full sequences need
-    offload_prefetch_layers: int = 2       # ring loads run this many layers ahead of compute
+    offload_ring_slots: int = 3            # device buffers host KV loads into; loads run this many ahead
     offload_slot_tokens: int | None = None # KV tokens one ring slot holds; None: sized from GPU memory
+    offload_prefetch_layers: int | None = None   # deprecated: offload_ring_slots - 1
     sparse_policy: object = "full"         # a policy name (policies/) or a SparsePolicy instance
 
     def __post_init__(self) -> None:
+        if self.offload_prefetch_layers is not None:
+            warnings.warn("offload_prefetch_layers is deprecated: it set offload_ring_slots to its "
+                          "value + 1; pass offload_ring_slots instead", DeprecationWarning, stacklevel=4)
+            _positive("offload_prefetch_layers", self.offload_prefetch_layers)
+            self.offload_ring_slots = self.offload_prefetch_layers + 1
+            self.offload_prefetch_layers = None
         self.validate()
 
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("offload_prefetch_layers", self.offload_prefetch_layers)
+        _positive("offload_ring_slots", self.offload_ring_slots)
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("stream_buffer_tokens", self.stream_buffer_tokens)
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_block_size",
@@ -55,10 +63,6 @@ class EngineConfig:
                 _positive(name, value)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        from astream.policies import POLICIES, SparsePolicy
-        if not isinstance(self.sparse_policy, SparsePolicy) and self.sparse_policy not in POLICIES:
-            raise ValueError(f"unknown sparse_policy {self.sparse_policy!r}; use one of "
-                             f"{sorted(POLICIES)} or a SparsePolicy instance")
         if self.offload_host_gib is not None and self.offload_host_gib <= 0:
             raise ValueError(f"offload_host_gib must be > 0, got {self.offload_host_gib}")
         if self.kv_block_size and self.kv_block_size & (self.kv_block_size - 1):

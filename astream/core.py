@@ -15,7 +15,7 @@ from astream.config import EngineConfig
 from astream.executor.build import build_runner
 from astream.executor.runner import ModelRunner, PreparedStep, StepOutput, StepProgram
 from astream.kvcache.block_manager import BlockManager
-from astream.kvcache.sizing import CachePlan, check_max_model_len, plan_cache
+from astream.kvcache.sizing import CachePlan, CacheSpec, check_max_model_len, plan_cache
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
@@ -53,9 +53,9 @@ class EngineCore:
         device, dtype = config.torch_device(), config.torch_dtype()
         path = resolve_model_path(config.model)
         checkpoint = open_checkpoint(path, config.load_format)
-        check_max_model_len(config, ModelConfig.from_hf(checkpoint.hf_config))  # before the slow part
+        check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
-        plan = plan_cache(config, model.decoder.config, dtype, device)   # sized after the weights
+        plan = plan_cache(_cache_spec(config), model.decoder.config, dtype, device)   # after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
                             align_chunks_to=plan.block_size if config.offload else 1),
@@ -269,3 +269,12 @@ class EngineCore:
                 "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_bytes_offloaded": engine.bytes_offloaded}
+
+
+def _cache_spec(config: EngineConfig) -> CacheSpec:
+    return CacheSpec(
+        block_size=config.block_size, max_num_seqs=config.max_num_seqs, offload=config.offload,
+        max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
+        num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
+        cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=config.offload_host_gib,
+        offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens)

@@ -20,6 +20,7 @@ from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.errors import EngineClosedError
 from astream.outputs import Completion, Progress, StreamToken
+from astream.policies import make_policy
 from astream.request import Request
 from astream.request_stream import RequestStream
 from astream.runtime.events import Notifier, run_off_loop
@@ -35,7 +36,7 @@ log = logging.getLogger("astream")
 class Engine:
     def __init__(self, model: str | None = None, *, load_progress: Callable[[int, int], None] | None = None,
                  **config) -> None:
-        self.config = EngineConfig.from_kwargs(model, **config)
+        self.config = self.check_options(model, **config)
         self.core: EngineCore | None = None
         self._load_progress = load_progress
         self._ctx: StageContext | None = None
@@ -43,6 +44,14 @@ class Engine:
         self._stages: anyio.CancelScope | None = None
         self._submit = None
         self._fault: BaseException | None = None
+
+    @staticmethod
+    def check_options(model: str | None = None, **config) -> EngineConfig:
+        """Validate engine options without loading anything: the EngineConfig they make, or a
+        TypeError / ValueError naming the bad option."""
+        engine_config = EngineConfig.from_kwargs(model, **config)
+        make_policy(engine_config.sparse_policy)
+        return engine_config
 
     # ---- lifecycle ------------------------------------------------------------------
 

@@ -105,13 +105,17 @@ async def traced_prefill(engine: Engine, ctx: int) -> dict:
 
 
 async def engine_cases(config: dict, cases: list[tuple[int, int]], decode_tokens: int,
-                       trace_ctx: int = 0) -> dict:
+                       trace_ctx: int = 0, repeat: int = 1) -> dict:
+    """Every case on one engine, `repeat` times in turn (rows carry their repetition)."""
     rows, result = [], {}
     async with Engine(**config) as engine:
         await warm_up(engine, engine.stats()["max_num_batched_tokens"])
-        for i, (ctx, batch) in enumerate(cases):
-            rows.append(await one_case(engine, ctx, batch, decode_tokens, seed=i))
-            print(rows[-1], flush=True)
+        for rep in range(repeat):
+            for i, (ctx, batch) in enumerate(cases):
+                # New prompts each repetition: the prefix cache must not serve a repeat.
+                seed = rep * len(cases) + i
+                rows.append({**await one_case(engine, ctx, batch, decode_tokens, seed=seed), "rep": rep})
+                print(rows[-1], flush=True)
         if trace_ctx:
             result["prefill_copy_overlap"] = await traced_prefill(engine, trace_ctx)
             print(result["prefill_copy_overlap"], flush=True)
@@ -179,6 +183,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
     parser.add_argument("--cases", default=None, help='e.g. "65536x1,32768x4": only these, both modes')
     parser.add_argument("--trace-ctx", type=int, default=65536, help="traced prefill length, 0 = none")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of every case on one engine")
+    parser.add_argument("--name", default=None, help="results file name")
     args = parser.parse_args()
     smoke, skip = args.smoke, set(args.skip.split(","))
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
@@ -186,16 +192,17 @@ def main() -> None:
     base, offload_cfg, resident_cases, offload_cases = configs(args, folder, max_pos)
     decode_tokens = 6 if smoke else 17
     results: dict = {"shape": shape, "cases": "(context, batch)"}
-    name = "offload_cases" if args.cases else "offload"      # a partial run keeps the full file
+    name = args.name or ("offload_cases" if args.cases else "offload")   # a partial run keeps the full file
     if not smoke:
         section(results, "bandwidth", bandwidth)
     if "offload" not in skip:
         trace_ctx = 0 if smoke else args.trace_ctx
         section(results, "offload", lambda: anyio.run(engine_cases, offload_cfg, offload_cases,
-                                                      decode_tokens, trace_ctx))
+                                                      decode_tokens, trace_ctx, args.repeat))
         save(name, results, smoke=smoke)
     if "resident" not in skip:
-        section(results, "resident", lambda: anyio.run(engine_cases, base, resident_cases, decode_tokens))
+        section(results, "resident", lambda: anyio.run(engine_cases, base, resident_cases, decode_tokens,
+                                                       0, args.repeat))
         save(name, results, smoke=smoke)
     if not smoke and "hf" not in skip:
         section(results, "transformers_32k", hf_offloaded_cache, folder, 32768, 8)
@@ -210,6 +217,21 @@ def main() -> None:
     summarize(results, smoke, name)
 
 
+def spread_by_case(rows: list[dict]) -> dict:
+    """min / median / max over repetitions, per case, of decode step and prefill speed."""
+    cases: dict = {}
+    for row in rows:
+        cases.setdefault(f"{row['context']}x{row['batch']}", []).append(row)
+    out = {}
+    for case, reps in cases.items():
+        out[case] = {}
+        for key in ("decode_step_ms", "prefill_tok_s", "step_over_floor"):
+            values = sorted(r[key] for r in reps if r.get(key) is not None)
+            if values:
+                out[case][key] = {"min": values[0], "median": values[len(values) // 2], "max": values[-1]}
+    return out
+
+
 def summarize(results: dict, smoke: bool, name: str) -> None:
     h2d = results.get("bandwidth", {}).get("h2d_GBps")
     kv_per_token = 147456                            # Qwen3-4B: 36 layers x 8 heads x 128 x 2 x 2 bytes
@@ -221,6 +243,7 @@ def summarize(results: dict, smoke: bool, name: str) -> None:
             row["floor_ms"] = round(floor_ms, 1)
             if row["decode_step_ms"]:
                 row["step_over_floor"] = round(row["decode_step_ms"] / floor_ms, 3)
+    results["spread"] = {mode: spread_by_case(mode_rows) for mode, mode_rows in rows.items()}
     resident = {(r["context"], r["batch"]): r for r in rows["resident"]}
     results["prefill_offload_vs_resident"] = {
         f"{a['context']}x{a['batch']}": round(a["prefill_tok_s"] / resident[key]["prefill_tok_s"], 3)

@@ -33,6 +33,12 @@ def astream_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
             "total_tok_s": round((produced + prompt_tokens) / t.seconds, 1)}
 
 
+def spread(values: list[float]) -> dict:
+    """min / median / max of repeated runs."""
+    ordered = sorted(values)
+    return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
+
+
 def hf_run(folder, work: list[tuple[list[int], int]], device: str) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(folder)
@@ -63,6 +69,9 @@ def main() -> None:
     parser.add_argument("--num", type=int, default=256)
     parser.add_argument("--subset", type=int, default=16)
     parser.add_argument("--subset-max-out", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=1, help="runs of the workload on one engine")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers subset")
+    parser.add_argument("--name", default="throughput", help="results file name")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     shapes = ["tiny"] if args.smoke else args.shapes.split(",")
@@ -78,15 +87,19 @@ def main() -> None:
                   max_num_seqs=256, max_model_len=2112)
         with LLM(str(folder), **kw) as llm:
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
-            results[shape] = {"astream": astream_run(llm, work),
+            runs = [astream_run(llm, work) for _ in range(args.repeat)]
+            results[shape] = {"astream": runs[len(runs) // 2] if args.repeat == 1 else
+                              {**spread([r["output_tok_s"] for r in runs]), "runs": runs},
                               "astream_subset": astream_run(llm, subset)}
+            if args.repeat > 1:
+                results[shape]["astream"]["output_tok_s"] = results[shape]["astream"]["median"]
         gc.collect()
-        if shape in ("qwen3-0.6b", "tiny"):
+        if shape in ("qwen3-0.6b", "tiny") and not args.skip_hf:
             results[shape]["transformers_subset"] = hf_run(folder, subset, device)
         if device == "cuda":
             torch.cuda.empty_cache()
         print(shape, results[shape])
-    save("throughput", {"workload": f"{num} requests, in/out uniform 100..1024, greedy, ignore_eos",
+    save(args.name, {"workload": f"{num} requests, in/out uniform 100..1024, greedy, ignore_eos",
                         "subset": f"first {len(subset)} requests, outputs capped at "
                                   f"{args.subset_max_out}", **results}, smoke=args.smoke)
     print(f"{'shape':<12} {'astream out tok/s':>18} {'subset astream':>15} {'subset HF':>10}")

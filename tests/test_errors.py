@@ -103,3 +103,12 @@ def test_prompt_too_long_has_its_own_type(smol_llm):
     from astream.scheduler import PromptTooLongError
     with pytest.raises(PromptTooLongError):
         smol_llm.generate([list(range(100, 2200))], SamplingParams(max_tokens=4))
+
+
+def test_old_offload_prefetch_layers_keyword_warns_and_still_works():
+    from astream import EngineConfig
+    with pytest.warns(DeprecationWarning, match="offload_ring_slots"):
+        config = EngineConfig(offload=True, offload_prefetch_layers=2)
+    assert config.offload_ring_slots == 3
+    with pytest.raises(ValueError, match="offload_ring_slots"):
+        EngineConfig(offload_ring_slots=0)

@@ -1,5 +1,6 @@
 """Assemble a ModelRunner with its KV backend: the device paged cache (and CUDA graphs),
-or the host pool behind the OffloadEngine."""
+or the host pool behind the OffloadEngine. Attention kernels and the sparse policy are
+chosen here, once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.kvcache.sizing import CachePlan
 from astream.models.decoder import Decoder
+from astream.ops.backends import AttentionBackends
 from astream.policies import make_policy
 from astream.runtime.device import DeviceRuntime
 
@@ -20,21 +22,25 @@ from astream.runtime.device import DeviceRuntime
 def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder,
                  runtime: DeviceRuntime) -> ModelRunner:
     dtype, device = decoder.dtype, runtime.device
+    backends = AttentionBackends.select(device, dtype, decoder.config.head_dim)
+    policy = make_policy(config.sparse_policy)
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
+    parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=policy,
+                 generator=generator, block_size=plan.block_size)
     if config.offload:
         sizes = plan.offload
         offload = OffloadEngine.allocate(
             decoder.config, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
-            sizes.staging_blocks, config.max_num_seqs, dtype, runtime, make_policy(config.sparse_policy))
-        return ModelRunner(decoder, runtime, generator, plan.block_size, offload=offload,
-                           tails=TailSlots(config.max_num_seqs))
+            sizes.staging_blocks, config.max_num_seqs, dtype, runtime)
+        return ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
     cache = PagedKVCache.allocate(decoder.config, plan.num_blocks, plan.block_size, dtype, device)
     graphs = None
     if runtime.is_cuda and not config.enforce_eager:
-        graphs = DecodeGraphs(decoder, cache, min(config.cuda_graph_max_batch, config.max_num_seqs),
+        graphs = DecodeGraphs(decoder, cache, backends,
+                              min(config.cuda_graph_max_batch, config.max_num_seqs),
                               max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
                               max_context=plan.max_model_len)
         with torch.inference_mode():
             graphs.capture()
-    return ModelRunner(decoder, runtime, generator, plan.block_size, cache=cache, graphs=graphs)
+    return ModelRunner(**parts, cache=cache, graphs=graphs)

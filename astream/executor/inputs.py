@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from astream.ops.attention import VarlenMeta
+from astream.ops.varlen import VarlenMeta
 from astream.scheduler import ScheduledBatch
 
 

@@ -14,18 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from astream.executor.inputs import to_device, varlen_meta
-from astream.ops.attention import VarlenMeta
+from astream.kvcache.offload_engine import NewKV, Run
+from astream.ops.varlen import VarlenMeta
 from astream.scheduler import ScheduledBatch
 from astream.sequence import SequenceStatus
-
-Run = tuple[int, int, int]
 
 
 @dataclass(slots=True)
 class JobTemplate:
     """Host blocks one ring slot receives, and how queries attend to them (every layer alike)."""
 
-    runs: list[Run] = field(default_factory=list)        # (host start, slot start, count)
+    runs: list[Run] = field(default_factory=list)        # host block -> slot block
     used_blocks: int = 0
     prefill_rows: list[int] = field(default_factory=list)
     prefill_cu_q: list[int] = field(default_factory=lambda: [0])
@@ -42,17 +41,12 @@ class JobTemplate:
     decode_max: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class OffloadStepPlan:
     jobs: list[JobTemplate]
     num_prefill_tokens: int
     chunk_meta: VarlenMeta | None                  # causal attention within the new chunks
-    staging_rows: torch.Tensor | None              # rows whose KV goes to staging (full blocks)
-    staging_index: torch.Tensor | None             # flat staging positions
-    tail_rows: torch.Tensor | None                 # rows whose KV goes to a tail block
-    tail_index: torch.Tensor | None                # flat tail positions
-    staging_runs: list[Run]                        # (staging start, host start, count) to offload
-    tail_offloads: list[tuple[int, int]]           # (tail slot, host block): tails that filled up
+    new_kv: NewKV                                  # where the step's new KV goes
     decode_tail_tables: torch.Tensor | None        # [D, 1] each decode row's tail slot
     decode_tail_lens: torch.Tensor | None          # [D] tokens in that tail, the new one included
 
@@ -98,7 +92,8 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
             full = n // bs
             staging_rows += range(row, row + full * bs)
             staging_index += range(staging_used * bs, (staging_used + full) * bs)
-            staging_runs += _runs(seq.block_table[context_blocks:context_blocks + full], staging_used)
+            staging_runs += _runs(zip(range(staging_used, staging_used + full),
+                                      seq.block_table[context_blocks:context_blocks + full]))
             staging_used += full
             tail_rows += range(row + full * bs, row + n)
             tail_index += range(tail * bs, tail * bs + n - full * bs)
@@ -111,19 +106,19 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
             tail_tables.append([tail])
             tail_lens.append(offset + 1)
             if offset == bs - 1:
-                tail_offloads.append((tail, seq.block_table[context_blocks]))
+                tail_offloads.append(Run(tail, seq.block_table[context_blocks], 1))
         row += n
     for job in jobs:
         _finalize(job, bs, device)
     num_prefill = chunk_cu[-1]
+    new_kv = NewKV(staging_rows=_tensor(staging_rows, torch.int64, device),
+                   staging_index=_tensor(staging_index, torch.int64, device),
+                   tail_rows=_tensor(tail_rows, torch.int64, device),
+                   tail_index=_tensor(tail_index, torch.int64, device),
+                   staging_to_host=tuple(staging_runs), tails_to_host=tuple(tail_offloads))
     return OffloadStepPlan(
         jobs=jobs, num_prefill_tokens=num_prefill,
-        chunk_meta=varlen_meta(chunk_cu, chunk_cu, device) if prefill else None,
-        staging_rows=_tensor(staging_rows, torch.int64, device),
-        staging_index=_tensor(staging_index, torch.int64, device),
-        tail_rows=_tensor(tail_rows, torch.int64, device),
-        tail_index=_tensor(tail_index, torch.int64, device),
-        staging_runs=staging_runs, tail_offloads=tail_offloads,
+        chunk_meta=varlen_meta(chunk_cu, chunk_cu, device) if prefill else None, new_kv=new_kv,
         decode_tail_tables=_tensor(tail_tables, torch.int32, device),
         decode_tail_lens=_tensor(tail_lens, torch.int32, device))
 
@@ -137,7 +132,7 @@ def _pack(jobs: list[JobTemplate], slot_blocks: int, blocks: list[int], row: int
         job = jobs[-1]
         take = blocks[:slot_blocks - job.used_blocks]
         blocks = blocks[len(take):]
-        job.runs += _runs(take, job.used_blocks, host_first=True)
+        job.runs += _runs(zip(take, range(job.used_blocks, job.used_blocks + len(take))))
         slot_range = list(range(job.used_blocks, job.used_blocks + len(take)))
         job.used_blocks += len(take)
         if is_prefill:
@@ -150,18 +145,14 @@ def _pack(jobs: list[JobTemplate], slot_blocks: int, blocks: list[int], row: int
             job.decode_tables.append(slot_range)
 
 
-def _runs(host_blocks: list[int], first_local: int, host_first: bool = False) -> list[Run]:
-    """Coalesce consecutive host block ids into (.., .., count) copy runs."""
+def _runs(pairs) -> list[Run]:
+    """Coalesce (source block, destination block) pairs that both count up into copy runs."""
     runs: list[Run] = []
-    for i, host in enumerate(host_blocks):
-        local = first_local + i
-        if runs:
-            a, b, count = runs[-1]
-            host_prev = a if host_first else b
-            if host == host_prev + count:
-                runs[-1] = (a, b, count + 1)
-                continue
-        runs.append((host, local, 1) if host_first else (local, host, 1))
+    for src, dst in pairs:
+        if runs and src == runs[-1].src + runs[-1].count and dst == runs[-1].dst + runs[-1].count:
+            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
+        else:
+            runs.append(Run(src, dst, 1))
     return runs
 
 

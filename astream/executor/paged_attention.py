@@ -8,7 +8,7 @@ import torch
 
 from astream.executor.inputs import AttentionMetadata
 from astream.kvcache.paged_cache import PagedKVCache
-from astream.ops.attention import paged_decode_attention, varlen_attention
+from astream.ops.backends import AttentionBackends
 
 
 @dataclass(slots=True)
@@ -17,6 +17,7 @@ class PagedAttention:
 
     cache: PagedKVCache
     meta: AttentionMetadata
+    backends: AttentionBackends
     scale: float
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -35,12 +36,12 @@ class PagedAttention:
     def _prefill(self, layer: int, q, k, v) -> torch.Tensor:
         if self.meta.prefill_key_slots is not None:
             k, v = self.cache.gather(layer, self.meta.prefill_key_slots)
-        out, _ = varlen_attention(q, k, v, self.meta.prefill, causal=True, scale=self.scale)
+        out, _ = self.backends.varlen(q, k, v, self.meta.prefill, causal=True, scale=self.scale)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        out, _ = paged_decode_attention(
+        out, _ = self.backends.paged_decode(
             q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
             meta.decode_context_lens, scale=self.scale, max_context_len=meta.decode_max_context)
         return out

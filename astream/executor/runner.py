@@ -17,18 +17,21 @@ import torch
 
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.inputs import StepInputs, build_inputs
-from astream.executor.offload_attention import JobQueue, OffloadAttention
+from astream.executor.offload_attention import OffloadAttention
 from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
 from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
+from astream.ops.backends import AttentionBackends
+from astream.policies import SparsePolicy
 from astream.runtime.device import DeviceRuntime
+from astream.runtime.events import Event
 from astream.scheduler import ScheduledBatch
 from astream.sequence import Sequence
 
-StepProgram = Generator[object, None, "StepOutput"]
+StepProgram = Generator[Event, None, "StepOutput"]
 
 
 @dataclass(slots=True)
@@ -48,8 +51,8 @@ class StepOutput:
     sampled: list[Sequence]
     token_ids: torch.Tensor             # [S] int64 on the device
     host_ids: torch.Tensor              # [S] int64 on the host, valid once `ready` completes
-    ready: object                       # a runtime event
-    offloaded: list = field(default_factory=list)   # D2H events of this step's new KV
+    ready: Event
+    offloaded: list[Event] = field(default_factory=list)   # D2H events of this step's new KV
 
 
 @dataclass(slots=True)
@@ -59,6 +62,8 @@ class ModelRunner:
 
     decoder: Decoder
     runtime: DeviceRuntime
+    backends: AttentionBackends
+    policy: SparsePolicy
     generator: torch.Generator
     block_size: int
     cache: PagedKVCache | None = None
@@ -106,25 +111,29 @@ class ModelRunner:
         if step.offload_plan is not None:
             hidden = yield from self._offloaded_forward(step)
         else:
-            hidden = self._forward(inputs)
+            hidden = yield from self._forward(inputs)
         logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
         token_ids = sample(logits, step.sampling, self.generator)
         host_ids, ready = self.runtime.to_host(token_ids)
         offloaded = self.offload.pending_offloads() if self.offload is not None else []
         return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs) -> Generator[Event, None, torch.Tensor]:
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
-        attend = PagedAttention(self.cache, inputs.attn, self.scale)
-        return self.decoder.forward(inputs.input_ids, inputs.positions, attend)
+        attend = PagedAttention(self.cache, inputs.attn, self.backends, self.scale)
+        return (yield from self._layers(inputs, attend))
 
-    def _offloaded_forward(self, step: PreparedStep) -> Generator[object, None, torch.Tensor]:
-        """Layer by layer; yields after each so the driver can bound how far the host runs ahead."""
-        decoder, inputs, plan = self.decoder, step.inputs, step.offload_plan
-        queue = JobQueue(self.offload, plan.jobs, decoder.config.num_layers)
-        queue.prefetch()
-        attend = OffloadAttention(self.offload, plan, queue, self.scale)
+    def _offloaded_forward(self, step: PreparedStep) -> Generator[Event, None, torch.Tensor]:
+        plan, num_layers = step.offload_plan, self.decoder.config.num_layers
+        loads = self.offload.loads([job.runs for job in plan.jobs], num_layers)
+        attend = OffloadAttention(self.offload, plan, loads, self.backends, self.policy, self.scale)
+        return (yield from self._layers(step.inputs, attend))
+
+    def _layers(self, inputs: StepInputs, attend) -> Generator[Event, None, torch.Tensor]:
+        """Layer by layer; yields after each so the driver can bound how far the host runs
+        ahead of the device, and let other work on the event loop in between."""
+        decoder = self.decoder
         hidden = decoder.embed(inputs.input_ids)
         for layer in range(decoder.config.num_layers):
             hidden = decoder.layer(layer, hidden, inputs.positions, attend)

@@ -10,8 +10,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from astream.sequence import Sequence
+
+class BlockOwner(Protocol):
+    """What the block manager reads and writes of a sequence: its table of blocks, how many
+    tokens are computed and how many leading blocks are published, and its token ids."""
+
+    block_table: list[int]
+    num_computed_tokens: int
+    num_hashed_blocks: int
+    num_pending: int                   # sampled tokens whose ids the host has not seen yet
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_slice(self, start: int, end: int) -> list[int]: ...
 
 
 @dataclass(slots=True)
@@ -46,7 +60,7 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------
 
-    def reuse_cached_prefix(self, seq: Sequence) -> int:
+    def reuse_cached_prefix(self, seq: BlockOwner) -> int:
         """Attach the longest run of cached full blocks to a new sequence; return its tokens.
 
         At least one token is always left to compute, so the last logits exist.
@@ -70,7 +84,7 @@ class BlockManager:
         seq.num_computed_tokens = hits * self.block_size
         return seq.num_computed_tokens
 
-    def register_full_blocks(self, seq: Sequence, num_written: int) -> None:
+    def register_full_blocks(self, seq: BlockOwner, num_written: int) -> None:
         """Publish the full blocks among seq's first num_written tokens (KV on the device).
 
         Only blocks whose KV a finished step wrote may be published: a block that is
@@ -93,10 +107,10 @@ class BlockManager:
 
     # ---- allocation -----------------------------------------------------------------
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+    def can_grow(self, seq: BlockOwner, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(seq.block_table) <= self.num_free
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
+    def grow(self, seq: BlockOwner, num_tokens: int) -> None:
         """Give seq enough blocks to hold num_tokens tokens."""
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free:
@@ -114,7 +128,7 @@ class BlockManager:
             return wanted
         return next(iter(self.free))
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: BlockOwner) -> None:
         """Drop seq's references; blocks nobody holds return to the free list.
 
         In table order, so a later sequence taking them gets them in ascending runs."""

@@ -12,11 +12,27 @@ from dataclasses import dataclass
 
 import torch
 
-from astream.config import EngineConfig
 from astream.models.config import ModelConfig
 
 _MiB, _GiB = 2**20, 2**30
 _SLOT_TOKENS = 65536
+
+
+@dataclass(slots=True, frozen=True)
+class CacheSpec:
+    """What the cache is asked to be; None means "derive it from the memory there is"."""
+
+    block_size: int
+    max_num_seqs: int
+    offload: bool
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_gib: float = 1.0
+    offload_host_gib: float | None = None
+    offload_ring_slots: int = 3
+    offload_slot_tokens: int | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,9 +51,9 @@ class CachePlan:
     offload: OffloadPlan | None = None
 
 
-def plan_cache(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
                device: torch.device) -> CachePlan:
-    check_max_model_len(cfg, model)
+    check_max_model_len(cfg.max_model_len, model)
     block = cfg.block_size
     max_len = cfg.max_model_len or model.max_position_embeddings
     budget = max(cfg.max_num_batched_tokens or _default_budget(cfg, device), cfg.max_num_seqs)
@@ -52,13 +68,13 @@ def plan_cache(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype,
     return CachePlan(blocks, block, max_len, budget, offload)
 
 
-def check_max_model_len(cfg: EngineConfig, model: ModelConfig) -> None:
-    if cfg.max_model_len and cfg.max_model_len > model.max_position_embeddings:
-        raise ValueError(f"max_model_len {cfg.max_model_len} exceeds the model's context of "
+def check_max_model_len(max_model_len: int | None, model: ModelConfig) -> None:
+    if max_model_len and max_model_len > model.max_position_embeddings:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
                          f"{model.max_position_embeddings} tokens")
 
 
-def _fit_max_len(cfg: EngineConfig, blocks: int, block: int, max_len: int, where: str) -> int:
+def _fit_max_len(cfg: CacheSpec, blocks: int, block: int, max_len: int, where: str) -> int:
     capacity = blocks * block
     if capacity >= max_len:
         return max_len
@@ -71,13 +87,13 @@ def _fit_max_len(cfg: EngineConfig, blocks: int, block: int, max_len: int, where
     return capacity                    # derived, so shrink it to what fits
 
 
-def _default_budget(cfg: EngineConfig, device: torch.device) -> int:
+def _default_budget(cfg: CacheSpec, device: torch.device) -> int:
     if device.type != "cuda":
         return 2048
     return 16384 if cfg.offload else 8192
 
 
-def _device_blocks(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+def _device_blocks(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
                    budget_tokens: int, block_bytes: int) -> int:
     if device.type == "cuda":
         available = _free_device_bytes(cfg, model, dtype, device, budget_tokens)
@@ -91,7 +107,7 @@ def _device_blocks(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, de
     return int(blocks)
 
 
-def _host_blocks(cfg: EngineConfig, max_len: int, block: int, block_bytes: int) -> int:
+def _host_blocks(cfg: CacheSpec, max_len: int, block: int, block_bytes: int) -> int:
     if cfg.offload_host_gib is not None:
         return max(1, int(cfg.offload_host_gib * _GiB) // block_bytes)
     wanted = cfg.max_num_seqs * -(-max_len // block)
@@ -99,10 +115,10 @@ def _host_blocks(cfg: EngineConfig, max_len: int, block: int, block_bytes: int) 
     return max(1, min(wanted, affordable))
 
 
-def _plan_offload(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
                   budget: int, max_len: int) -> OffloadPlan:
     block = cfg.block_size
-    slots = cfg.offload_prefetch_layers + 1
+    slots = cfg.offload_ring_slots
     layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(dtype)
     staging_blocks = -(-budget // block) + 1
     # A slot holds one full-length sequence's layer KV, or a batch of shorter ones: loads
@@ -119,11 +135,11 @@ def _plan_offload(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype, dev
     if slot_blocks < 1:
         raise ValueError("no GPU memory left for the offload ring: one slot needs "
                          f"{layer_block_bytes / _MiB:.1f} MiB per block; lower max_num_batched_tokens "
-                         "or offload_prefetch_layers, or raise gpu_memory_utilization")
+                         "or offload_ring_slots, or raise gpu_memory_utilization")
     return OffloadPlan(slots, int(slot_blocks), staging_blocks)
 
 
-def _free_device_bytes(cfg: EngineConfig, model: ModelConfig, dtype: torch.dtype,
+def _free_device_bytes(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
                        device: torch.device, budget_tokens: int) -> int:
     free, total = torch.cuda.mem_get_info(device)
     reserve = _activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)

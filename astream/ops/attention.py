@@ -9,30 +9,17 @@ lse = -inf on every backend.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from astream.ops import attention_ref, flash
+from astream.ops.varlen import VarlenMeta
+
+__all__ = ["VarlenMeta", "merge_attention", "paged_decode_attention", "select_backend",
+           "select_decode_backend", "varlen_attention", "varlen_backend_for"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-@dataclass(slots=True)
-class VarlenMeta:
-    """Sequence layout of one packed batch; built once per batch, shared by all layers.
-
-    Causal attention with seqlen_q < seqlen_k is bottom-right aligned: query i of
-    a sequence sees keys j <= i + (len_k - len_q).
-    """
-
-    cu_seqlens_q: Tensor  # [S+1] int32 on the device
-    cu_seqlens_k: Tensor  # [S+1] int32 on the device
-    max_seqlen_q: int
-    max_seqlen_k: int
-    host_cu_seqlens_q: list[int]  # same offsets on the host; never .tolist() device tensors
-    host_cu_seqlens_k: list[int]
 
 
 def select_backend(device: torch.device | str) -> str:

@@ -8,13 +8,10 @@ as an empty partial result.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from astream.ops.attention import VarlenMeta
+from astream.ops.varlen import VarlenMeta
 
 # Upper bound on score-matrix elements materialised at once (~256 MB of fp32).
 MAX_SCORE_ELEMENTS = 64 * 1024 * 1024

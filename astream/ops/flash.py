@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from astream.ops.attention import VarlenMeta
+from astream.ops.varlen import VarlenMeta
 
 # FlashAttention-2 runs on Ampere (sm80) and newer, fp16/bf16, head_dim % 8 == 0, <= 256.
 MIN_CAPABILITY = (8, 0)

@@ -38,7 +38,6 @@ class BlockOffload:
     host_block: int
     layer: int
     keys: torch.Tensor                 # [block_size, kv_heads, head_dim] on the device
-    num_valid: int
 
 
 class SparsePolicy:

@@ -17,6 +17,8 @@ import anyio
 import anyio.to_thread
 import torch
 
+from astream.runtime.events import Event
+
 T = TypeVar("T")
 
 
@@ -60,7 +62,7 @@ class DeviceRuntime:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def record_event(self, stream: torch.cuda.Stream | None = None):
+    def record_event(self, stream: torch.cuda.Stream | None = None) -> Event:
         """An event marking the work queued so far on `stream` (default: the current stream)."""
         if not self.is_cuda:
             return CompletedEvent()
@@ -68,7 +70,7 @@ class DeviceRuntime:
         event.record(stream)
         return event
 
-    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Event]:
         """Start copying `tensor` to pinned host memory; returns (host tensor, event)."""
         if not self.is_cuda:
             return tensor, CompletedEvent()
@@ -83,7 +85,7 @@ class DeviceRuntime:
         """Context manager: queue work on `stream` (a no-op on the CPU)."""
         return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
 
-    def wait(self, event, stream: torch.cuda.Stream | None = None) -> None:
+    def wait(self, event: Event | None, stream: torch.cuda.Stream | None = None) -> None:
         """Make `stream` (default: current) wait for `event`, on the device, not the host."""
         if self.is_cuda and event is not None:
             (stream or torch.cuda.current_stream(self.device)).wait_event(event)

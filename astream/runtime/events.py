@@ -11,15 +11,30 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Generator, TypeVar
+from typing import Callable, Generator, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 T = TypeVar("T")
 
+# A step program that yields many events already complete (the resident path, or the
+# CPU) still gives the loop a turn this often, so a long eager step never starves it.
+CHECKPOINT_EVERY = 4
 
-async def wait_event(event) -> None:
+
+class Event(Protocol):
+    """A point in a device stream: `torch.cuda.Event`, or the CPU's always-complete stand-in."""
+
+    def query(self) -> bool:
+        """True once the work queued before the event has finished."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until then."""
+
+
+async def wait_event(event: Event) -> None:
     if event.query():
         return
     await anyio.to_thread.run_sync(event.synchronize, abandon_on_cancel=True)
@@ -30,16 +45,20 @@ async def run_off_loop(fn: Callable[..., T], *args, limiter: anyio.CapacityLimit
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
-async def drive(program: Generator[object, None, T], run_ahead: int) -> T:
+async def drive(program: Generator[Event, None, T], run_ahead: int) -> T:
     """Run a step program that yields device events, keeping the host at most `run_ahead`
     yields ahead of the device, so its launch queue never fills and blocks the loop."""
     in_flight: deque = deque()
+    yields = 0
     try:
         event = next(program)
         while True:
             in_flight.append(event)
+            yields += 1
             if len(in_flight) > run_ahead:
                 await wait_event(in_flight.popleft())
+            if yields % CHECKPOINT_EVERY == 0:
+                await anyio.lowlevel.checkpoint()
             event = program.send(None)
     except StopIteration as stop:
         return stop.value

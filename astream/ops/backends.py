@@ -1,0 +1,56 @@
+"""The attention kernels one engine uses, chosen once when it is built.
+
+`AttentionBackends.select(device, dtype, head_dim)` picks the varlen kernel (flash-attn,
+torch's bundled FlashAttention-2, or the torch reference) and the paged-decode kernel
+(Triton or the reference) for the model's dtype and head size; the attention adapters
+call through it, so no layer or ring slot decides again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from astream.ops import attention_ref, flash
+from astream.ops.attention import HALF_DTYPES, select_backend, select_decode_backend
+from astream.ops.varlen import VarlenMeta
+
+VarlenFn = Callable[..., tuple[Tensor, Tensor]]
+
+_VARLEN: dict[str, VarlenFn] = {
+    "flash_attn": flash.flash_attn_varlen,
+    "torch_flash": flash.torch_flash_varlen,
+    "reference": attention_ref.varlen_attention_ref,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionBackends:
+    varlen_name: str                  # "flash_attn" | "torch_flash" | "reference"
+    decode_name: str                  # "triton" | "reference"
+
+    @classmethod
+    def select(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> "AttentionBackends":
+        varlen = select_backend(device)
+        if dtype not in HALF_DTYPES or not flash.head_dim_supported(head_dim):
+            varlen = "reference"
+        return cls(varlen, select_decode_backend(device))
+
+    def varlen(self, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta, *, causal: bool,
+               scale: float) -> tuple[Tensor, Tensor]:
+        """q [Tq, H, D], k/v [Tk, KVH, D] -> out [Tq, H, D], lse [Tq, H] (maybe a transposed view)."""
+        return _VARLEN[self.varlen_name](q, k, v, meta, causal=causal, scale=scale)
+
+    def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                     context_lens: Tensor, *, scale: float, max_context_len: int) -> tuple[Tensor, Tensor]:
+        """One query token per sequence over a paged cache (see ops.attention.paged_decode_attention)."""
+        if self.decode_name == "triton":
+            from astream.ops import triton_decode
+
+            return triton_decode.paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                                     scale=scale, max_context_len=max_context_len)
+        return attention_ref.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
+                                                        scale=scale, max_context_len=max_context_len)
