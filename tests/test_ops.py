@@ -295,3 +295,11 @@ def test_num_splits_rule():
     assert choose_num_splits(1, 8, 300, cpu) == 3
     assert choose_num_splits(1, 8, 10**6, cpu) <= MAX_SPLITS
     assert choose_num_splits(128, 8, 10**6, cpu) == 1  # 1024 programs already fill the GPU
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8, 20, 64, 256])
+def test_every_decode_batch_size_has_a_captured_graph(max_batch):
+    from astream.executor.cuda_graphs import capture_sizes
+    sizes = capture_sizes(max_batch)
+    assert all(any(s >= n for s in sizes) for n in range(1, max_batch + 1))
+    assert max(sizes) == max_batch and sizes == sorted(set(sizes))

@@ -15,11 +15,15 @@ from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.paged_attention import PagedAttention
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
+from astream.ops.backends import AttentionBackends
 
 
 def capture_sizes(max_batch: int) -> list[int]:
+    """Batch sizes to capture: every decode batch up to max_batch pads to one of them."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
     sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)        # e.g. 3, or 20: without it a full batch has no graph
     return sizes
 
 
@@ -27,6 +31,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     decoder: Decoder
     cache: PagedKVCache
+    backends: AttentionBackends
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
@@ -81,5 +86,5 @@ class DecodeGraphs:
             num_prefill_tokens=0, slot_mapping=buf["slots"][:size], prefill=None,
             prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
             decode_context_lens=buf["lens"][:size], decode_max_context=self.max_context)
-        attend = PagedAttention(self.cache, meta, self.decoder.config.head_dim ** -0.5)
+        attend = PagedAttention(self.cache, meta, self.backends, self.decoder.config.head_dim ** -0.5)
         return self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)
