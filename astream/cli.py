@@ -1,4 +1,4 @@
-"""The `astream` command: generate | chat | serve | graph.
+"""The `astream` command: generate | chat | serve | graph | eval.
 
 Engine, sampling and server options are derived from the fields of EngineConfig,
 SamplingParams and ServerOptions, so a new knob shows up here without edits.
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_options(serve.add_argument_group("server options", f"--api-key may also come from "
                                           f"${API_KEY_ENV} (which keeps it out of `ps`)"), ServerOptions)
     serve.set_defaults(api_key=os.environ.get(API_KEY_ENV))
+    from astream.eval.cli import add_eval_command
+    add_eval_command(commands, lambda group: _add_options(group, EngineConfig, {"model", "seed"}, "auto"))
     return parser
 
 

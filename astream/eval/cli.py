@@ -1,0 +1,85 @@
+"""The `astream eval` command: `astream eval needle ...` and `astream eval ruler ...`.
+
+The main CLI registers it with `add_eval_command` and hands over its own way of adding one
+flag per engine option, so every engine knob (--offload, --sparse-policy, ...) works here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+from astream.eval.evaluation import EvalPlan, run_eval
+from astream.eval.report import format_summary
+from astream.eval.spec import parse_configs, parse_depths, parse_lengths, parse_names
+from astream.eval.tasks import NEEDLE, RULER_TASKS
+
+AddEngineOptions = Callable[[argparse._ArgumentGroup], None]
+
+
+def add_eval_command(commands: argparse._SubParsersAction, add_engine_options: AddEngineOptions) -> None:
+    parser = commands.add_parser("eval", help="long-context accuracy: passkey needle, RULER-style tasks",
+                                 description="Accuracy over a grid of prompt lengths and depths; "
+                                 "writes results.jsonl, summary.json and PNG plots to --out.")
+    tasks = parser.add_subparsers(dest="eval_task", required=True, metavar="TASK")
+    needle = tasks.add_parser("needle", help="passkey retrieval over lengths x depths")
+    ruler = tasks.add_parser("ruler", help=f"RULER-style synthetic tasks: {', '.join(RULER_TASKS)}")
+    needle.set_defaults(eval_tasks=[NEEDLE])
+    ruler.add_argument("--tasks", dest="eval_tasks", default=list(RULER_TASKS), metavar="LIST",
+                       type=_checked(lambda text: parse_names(text, RULER_TASKS, "tasks")),
+                       help=f"comma-separated (default: all: {','.join(RULER_TASKS)})")
+    for sub in (needle, ruler):
+        sub.set_defaults(run=run_eval_command)
+        _add_grid_options(sub)
+        add_engine_options(sub.add_argument_group("engine options (for every configuration)"))
+
+
+def _add_grid_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", metavar="PATH", help="HF folder or .gguf file "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--lengths", type=_checked(parse_lengths), default=parse_lengths("4K,8K,16K,32K"),
+                        metavar="LIST", help="prompt lengths in tokens, K = 1024 (default: 4K,8K,16K,32K)")
+    parser.add_argument("--depths", type=_checked(parse_depths), metavar="LIST",
+                        default=parse_depths("0.1,0.3,0.5,0.7,0.9"),
+                        help="where the needle sits, 0 (start) to 1 (end) (default: 0.1,0.3,0.5,0.7,0.9)")
+    parser.add_argument("--trials", type=_checked(_positive), default=3, metavar="N",
+                        help="prompts per cell, each with its own key (default: 3)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N",
+                        help="the same seed gives the same prompts (default: 0)")
+    parser.add_argument("--compare", type=_checked(parse_configs), metavar="SPEC",
+                        help="run configurations one after another on the same prompts, e.g. "
+                        "'full,quest:1024,quest:2048+offload'; each item sets the sparse policy "
+                        "(':N' its budget) and offload")
+    parser.add_argument("--out", type=Path, default=Path("astream-eval"), metavar="DIR",
+                        help="folder for results.jsonl, summary.json and the plots (default: astream-eval)")
+
+
+async def run_eval_command(args: argparse.Namespace, engine_kwargs: dict, _sampling=None) -> None:
+    if args.compare and {"offload", "sparse_policy"} & engine_kwargs.keys():
+        raise ValueError("--compare sets the sparse policy and offload of each configuration; "
+                         "drop --offload / --sparse-policy, or write them into the --compare items")
+    plan = EvalPlan(tuple(args.eval_tasks), tuple(args.lengths), tuple(args.depths), args.trials, args.seed)
+    run = await run_eval(plan, args.model, args.compare, engine_kwargs, args.out, progress=True)
+    print(format_summary(run.cells))
+    for note in run.notes:
+        print(f"astream: {note}", file=sys.stderr)
+    print(f"astream: wrote {', '.join(str(path) for path in run.files)}", file=sys.stderr)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+    return value
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """argparse shows an ArgumentTypeError's own message (a ValueError becomes 'invalid value')."""
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert

@@ -1,0 +1,100 @@
+"""One evaluation from start to end: prompts, engines, results.jsonl, summary.json, plots.
+
+    plan = EvalPlan(tasks=("needle",), lengths=(4096, 8192), depths=(0.1, 0.5, 0.9), trials=3)
+    run = anyio.run(run_eval, plan, "model.gguf", parse_configs("full,offload"), {"device": "cuda"},
+                    Path("out"))
+    print(format_summary(run.cells))
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from astream.eval.plot import (missing_matplotlib_message, plotting_available, write_compare_plot,
+                               write_heatmap)
+from astream.eval.progress import ProgressBar
+from astream.eval.report import ResultsFile, summary
+from astream.eval.runner import CellResult, TrialResult, check_configs, run_configs
+from astream.eval.spec import EvalConfig
+from astream.eval.tokenizer import engine_tokenizer_option, load_tokenizer
+from astream.eval.trials import Trial, build_trials
+
+
+@dataclass(slots=True, frozen=True)
+class EvalPlan:
+    """The grid: every task at every length and depth, `trials` prompts per cell."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    trials: int = 3
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class EvalRun:
+    trials: list[Trial]
+    cells: list[CellResult]
+    files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)     # e.g. why a plot is missing
+
+
+def config_from_options(engine_kwargs: dict) -> EvalConfig:
+    """The single configuration a run without --compare has, named like a --compare item."""
+    name = str(engine_kwargs.get("sparse_policy", "full"))
+    if engine_kwargs.get("sparse_budget") is not None:
+        name += f":{engine_kwargs['sparse_budget']}"
+    if engine_kwargs.get("offload"):
+        name += "+offload"
+    return EvalConfig(name, {})
+
+
+async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[EvalConfig] | None = None,
+                   engine_kwargs: dict | None = None, out_dir: Path | None = None, *,
+                   tokenizer=None, progress: bool = False) -> EvalRun:
+    """Build the plan's prompts once and run them under each configuration (default: one, from
+    `engine_kwargs`). With `out_dir`, write results.jsonl, summary.json and the plots there."""
+    engine_kwargs = dict(engine_kwargs or {})
+    configs = list(configs) if configs else [config_from_options(engine_kwargs)]
+    check_configs(model, configs, engine_kwargs)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model, engine_kwargs.get("tokenizer"))
+    trials = build_trials(tokenizer, plan.tasks, plan.lengths, plan.depths, plan.trials, plan.seed)
+    results = ResultsFile(out_dir / "results.jsonl") if out_dir is not None else None
+    bar = ProgressBar(sys.stderr, len(trials) * len(configs)) if progress else None
+
+    def on_trial(result: TrialResult) -> None:
+        bar.advance(result.correct, f"[{result.config}]")
+
+    with engine_tokenizer_option(model, tokenizer, engine_kwargs) as kwargs:
+        cells = await run_configs(model, trials, configs, kwargs, on_trial if bar is not None else None,
+                                  results.write_cell if results is not None else None)
+    run = EvalRun(trials, cells)
+    if out_dir is not None:
+        run.files.append(results.path)
+        write_outputs(run, out_dir)
+    return run
+
+
+def write_outputs(run: EvalRun, out_dir: Path) -> None:
+    """summary.json, and the plots when matplotlib is there (a note says how to get them if not)."""
+    path = out_dir / "summary.json"
+    path.write_text(json.dumps(summary(run.cells), indent=2) + "\n")
+    run.files.append(path)
+    if not plotting_available():
+        run.notes.append(missing_matplotlib_message())
+        return
+    configs = list(dict.fromkeys(c.config for c in run.cells))
+    for config in configs:
+        name = "heatmap.png" if len(configs) == 1 else f"heatmap-{_slug(config)}.png"
+        run.files.append(write_heatmap([c for c in run.cells if c.config == config], out_dir / name))
+    if len(configs) > 1:
+        run.files.append(write_compare_plot(run.cells, out_dir / "compare.png"))
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)

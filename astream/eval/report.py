@@ -1,0 +1,146 @@
+"""What a run leaves behind: results.jsonl (one line per trial), summary.json, the tables.
+
+Throughput is what the run saw, summed over cells: prefill tok/s is prompt tokens / seconds
+from each cell's start until its last trial's first token; decode tok/s is tokens generated
+after each trial's first / seconds from then until the cell's last trial ended.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from astream.eval.runner import CellResult, TrialResult
+from astream.eval.scoring import accuracy
+
+
+@dataclass(slots=True)
+class Throughput:
+    prompt_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def throughput(cells: Iterable[CellResult]) -> Throughput:
+    total = Throughput()
+    for cell in cells:
+        total.prompt_tokens += cell.prompt_tokens
+        total.decode_tokens += cell.decode_tokens
+        total.prefill_s += cell.prefill_s
+        total.decode_s += cell.decode_s
+    return total
+
+
+def trial_row(result: TrialResult) -> dict:
+    trial = result.trial
+    return {"config": result.config, "task": trial.task, "length": trial.length, "depth": trial.depth,
+            "trial": trial.index, "seed": trial.seed, "prompt_tokens": len(trial.prompt_ids),
+            "prompt_sha1": trial.prompt_sha1, "needle_depth": round(trial.needle_depth, 4),
+            "expected": list(trial.expected), "answer": result.answer, "found": list(result.found),
+            "score": result.score, "correct": result.correct,
+            "generated_tokens": result.generated_tokens, "finish_reason": result.finish_reason,
+            "error": result.error}
+
+
+@dataclass(slots=True)
+class ResultsFile:
+    """DIR/results.jsonl, written cell by cell so an interrupted run keeps what it finished.
+    The first cell replaces the file of an earlier run; a run that fails before it leaves none."""
+
+    path: Path
+    started: bool = False
+
+    def write_cell(self, cell: CellResult) -> None:
+        if not self.started:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a" if self.started else "w") as file:
+            self.started = True
+            for result in cell.results:
+                file.write(json.dumps(trial_row(result)) + "\n")
+
+
+def summary(cells: Sequence[CellResult]) -> dict:
+    """Accuracy and throughput per configuration and per cell (summary.json)."""
+    out: dict = {}
+    for config in _unique(c.config for c in cells):
+        mine = [c for c in cells if c.config == config]
+        speed = throughput(mine)
+        out[config] = {
+            "accuracy": _accuracy(mine), "prefill_tok_s": round(speed.prefill_tok_s, 1),
+            "decode_tok_s": round(speed.decode_tok_s, 1),
+            "cells": [{"task": c.task, "length": c.length, "depth": c.depth, "trials": len(c.results),
+                       "accuracy": c.accuracy, "prompt_tokens": c.prompt_tokens,
+                       "prefill_tok_s": round(throughput([c]).prefill_tok_s, 1),
+                       "decode_tok_s": round(throughput([c]).decode_tok_s, 1)} for c in mine]}
+    return out
+
+
+def format_summary(cells: Sequence[CellResult]) -> str:
+    """Per configuration and task: accuracy by length and depth; then, with several
+    configurations, one table of accuracy by task and length for all of them."""
+    parts = [_config_tables(config, [c for c in cells if c.config == config])
+             for config in _unique(c.config for c in cells)]
+    if len(parts) > 1:
+        parts.append(_compare_table(cells))
+    errors = sum(r.error is not None for c in cells for r in c.results)
+    if errors:
+        parts.append(f"{errors} trial(s) ended with an error: see the 'error' field of results.jsonl")
+    return "\n\n".join(parts)
+
+
+def _config_tables(config: str, cells: list[CellResult]) -> str:
+    speed = throughput(cells)
+    lines = [f"[{config}] accuracy {_pct(_accuracy(cells))} of {sum(len(c.results) for c in cells)} "
+             f"trials; prefill {speed.prefill_tok_s:,.0f} tok/s, decode {speed.decode_tok_s:,.0f} tok/s"]
+    for task in _unique(c.task for c in cells):
+        mine = [c for c in cells if c.task == task]
+        depths = _unique(c.depth for c in mine)
+        rows = [[str(length)] + [_pct(_accuracy(_select(mine, length=length, depth=d))) for d in depths]
+                + [_pct(_accuracy(_select(mine, length=length)))]
+                for length in _unique(c.length for c in mine)]
+        lines.append(_table([f"{task} length"] + [f"d={d:g}" for d in depths] + ["all"], rows))
+    return "\n\n".join(lines)
+
+
+def _compare_table(cells: Sequence[CellResult]) -> str:
+    configs = _unique(c.config for c in cells)
+    rows = [[task, str(length)] + [_pct(_accuracy(_select(cells, config=k, task=task, length=length)))
+                                   for k in configs]
+            for task in _unique(c.task for c in cells) for length in _unique(c.length for c in cells)
+            if _select(cells, task=task, length=length)]
+    speeds = [throughput(_select(cells, config=k)) for k in configs]
+    rows.append(["prefill", "tok/s"] + [f"{s.prefill_tok_s:,.0f}" for s in speeds])
+    rows.append(["decode", "tok/s"] + [f"{s.decode_tok_s:,.0f}" for s in speeds])
+    return "accuracy by configuration (same prompts)\n" + _table(["task", "length", *configs], rows)
+
+
+def _select(cells: Iterable[CellResult], **match) -> list[CellResult]:
+    return [c for c in cells if all(getattr(c, k) == v for k, v in match.items())]
+
+
+def _accuracy(cells: Sequence[CellResult]) -> float:
+    return accuracy(r.score for c in cells for r in c.results)
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def _unique(values: Iterable) -> list:
+    return list(dict.fromkeys(values))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [header, *rows])
