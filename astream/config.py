@@ -41,6 +41,7 @@ class EngineConfig:
     offload_slot_tokens: int | None = None # KV tokens one ring slot holds; None: sized from GPU memory
     offload_prefetch_layers: int | None = None   # deprecated: offload_ring_slots - 1
     sparse_policy: object = "full"         # a policy name (policies/) or a SparsePolicy instance
+    sparse_budget: int | None = None       # KV tokens a sparse decode reads (a policy given by name)
 
     def __post_init__(self) -> None:
         if self.offload_prefetch_layers is not None:
@@ -57,7 +58,7 @@ class EngineConfig:
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("stream_buffer_tokens", self.stream_buffer_tokens)
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_block_size",
-                     "offload_slot_tokens"):
+                     "offload_slot_tokens", "sparse_budget"):
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)

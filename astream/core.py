@@ -19,6 +19,7 @@ from astream.kvcache.sizing import CachePlan, CacheSpec, check_max_model_len, pl
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
+from astream.policies import make_policy
 from astream.request import ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
 from astream.sampling import SamplingParams
@@ -55,13 +56,15 @@ class EngineCore:
         checkpoint = open_checkpoint(path, config.load_format)
         check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
-        plan = plan_cache(_cache_spec(config), model.decoder.config, dtype, device)   # after the weights
+        policy = make_policy(config.sparse_policy, config.sparse_budget)
+        spec = _cache_spec(config, policy.kv_overhead(model.decoder.config.num_layers))
+        plan = plan_cache(spec, model.decoder.config, dtype, device)   # sized after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
                             align_chunks_to=plan.block_size if config.offload else 1),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         runtime = DeviceRuntime(device)
-        runner = build_runner(config, plan, model.decoder, runtime)
+        runner = build_runner(config, plan, model.decoder, runtime, policy)
         eos = stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids)
         log.info("astream: %s on %s (%s), %d KV blocks of %d tokens%s, max_model_len %d, attention %s",
                  path.name, device, dtype, plan.num_blocks, plan.block_size,
@@ -258,8 +261,12 @@ class EngineCore:
                 "steps": self.scheduler.steps, "preemptions": self.scheduler.preemptions,
                 "max_model_len": self.plan.max_model_len,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
-                "offload": self.config.offload,
-                **self._offload_stats()}
+                "offload": self.config.offload, "sparse_policy": self._policy_name(),
+                **self.runner.policy.stats(), **self._offload_stats()}
+
+    def _policy_name(self) -> str:
+        spec = self.config.sparse_policy
+        return spec if isinstance(spec, str) else spec.name
 
     def _offload_stats(self) -> dict:
         engine = self.runner.offload
@@ -271,10 +278,11 @@ class EngineCore:
                 "offload_bytes_offloaded": engine.bytes_offloaded}
 
 
-def _cache_spec(config: EngineConfig) -> CacheSpec:
+def _cache_spec(config: EngineConfig, kv_overhead: float) -> CacheSpec:
     return CacheSpec(
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, offload=config.offload,
         max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=config.offload_host_gib,
-        offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens)
+        offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
+        kv_overhead=kv_overhead)

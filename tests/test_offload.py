@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from astream import LLM, Engine, SamplingParams
-from astream.policies import BlockOffload, SparsePolicy
+from astream.policies import PolicyRuntime, SparsePolicy
 from tests.conftest import PROMPTS
 
 # Small blocks, slots and budgets so a short prompt already crosses every path:
@@ -73,28 +73,47 @@ def test_small_host_pool_makes_requests_wait_without_corruption(smol_llm):
 
 
 class RecordingPolicy(SparsePolicy):
+    """Records every key the engine shows a policy, with its cache slot."""
+
     name = "recording"
 
     def __init__(self) -> None:
-        self.calls: list[tuple[int, int, torch.Tensor]] = []
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
-    def on_block_offload(self, event: BlockOffload) -> None:
-        self.calls.append((event.host_block, event.layer, event.keys.clone()))
+    def bind(self, layout) -> PolicyRuntime:
+        calls = self.calls
+
+        class Recorder(PolicyRuntime):
+            def on_kv_written(self, layer, keys, slots) -> None:
+                calls.append((layer, slots.clone(), keys.clone()))
+
+        return Recorder()
 
 
-def test_policy_hook_sees_each_block_once_per_layer_with_its_keys():
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "resident"])
+def test_policy_sees_every_new_key_once_per_layer_where_it_is_stored(offload):
     policy = RecordingPolicy()
     prompts = ["A" + " story" * n for n in (10, 40, 75)]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    with LLM(**{**OFFLOAD_KW, "sparse_policy": policy}) as llm:
+    with LLM(**{**OFFLOAD_KW, "offload": offload, "sparse_policy": policy}) as llm:
         outs = llm.generate(prompts, params)
-        engine = llm.core.runner.offload
         layers, bs = llm.core.model.decoder.config.num_layers, 16
-        full_blocks = sum((len(o.prompt_token_ids) + len(o.token_ids) - 1) // bs for o in outs)
-        seen = [(block, layer) for block, layer, _ in policy.calls]
-        assert len(seen) == len(set(seen)) == full_blocks * layers
-        for block, layer, keys in policy.calls:
-            assert torch.equal(engine.host_k[layer][block], keys)
+        computed = sum(len(o.prompt_token_ids) + len(o.token_ids) - 1 for o in outs)
+        written = {layer: set() for layer in range(layers)}
+        for layer, slots, _ in policy.calls:
+            written[layer].update(slots.tolist())
+        assert all(len(w) == computed for w in written.values())
+        assert len(policy.calls) == layers * sum(1 for _ in policy.calls if _[0] == 0)
+        for layer, slots, keys in policy.calls:
+            for slot, key in zip(slots.tolist(), keys):
+                block, offset = divmod(slot, bs)
+                if not offload:
+                    stored = llm.core.runner.cache.k[layer][block, offset]
+                elif all(s in written[layer] for s in range(block * bs, block * bs + bs)):
+                    stored = llm.core.runner.offload.host_k[layer][block, :, offset]   # head-major
+                else:
+                    continue            # a partial block: still in its device tail
+                assert torch.equal(stored, key)
 
 
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})])

@@ -16,6 +16,7 @@ from astream.executor.paged_attention import PagedAttention
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
+from astream.policies import PolicyRuntime
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -32,6 +33,7 @@ class DecodeGraphs:
     decoder: Decoder
     cache: PagedKVCache
     backends: AttentionBackends
+    policy: PolicyRuntime
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
@@ -86,5 +88,6 @@ class DecodeGraphs:
             num_prefill_tokens=0, slot_mapping=buf["slots"][:size], prefill=None,
             prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
             decode_context_lens=buf["lens"][:size], decode_max_context=self.max_context)
-        attend = PagedAttention(self.cache, meta, self.backends, self.decoder.config.head_dim ** -0.5)
+        attend = PagedAttention(self.cache, meta, self.backends, self.policy,
+                                self.decoder.config.head_dim ** -0.5)
         return self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)

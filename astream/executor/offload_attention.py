@@ -1,9 +1,13 @@
 """Attention with the KV cache in host memory, as the decoder's `attend` argument.
 
 Per layer: hand the new KV to the OffloadEngine (staging or device tails, and on its way
-to the host), attend over what is on the device (the new chunk itself, the tails), then
-over each ring slot of host KV as it lands, merging by LSE. Loads run ahead of compute,
-across layer boundaries (kvcache.offload_engine.RingLoads).
+to the host), show the policy the new keys, attend over what is on the device (the new
+chunk itself, the tails), then over each ring slot of host KV as it lands, merging by
+LSE. Loads run ahead of compute, across layer boundaries (kvcache.offload_engine.RingLoads).
+
+On a layer where the policy selects decode pages, the decode rows' host KV does not go
+through the ring: the chosen pages are read in place from the host pool by a device
+kernel (OffloadEngine.gather_pages), so only they cross PCIe.
 """
 
 from __future__ import annotations
@@ -13,10 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from astream.executor.offload_plan import JobTemplate, OffloadStepPlan
+from astream.executor.paged_attention import prefill_attention
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
 from astream.ops.attention import merge_attention
 from astream.ops.backends import AttentionBackends
-from astream.policies import BlockOffload, SparsePolicy
+from astream.policies import DecodeQuery, PolicyRuntime
+
+
+def sparse_layers(plan: OffloadStepPlan, policy: PolicyRuntime, num_layers: int) -> list[bool]:
+    """Per layer, whether its decode rows read pages the policy chooses (host ints only)."""
+    context = plan.decode_context
+    if context is None:
+        return [False] * num_layers
+    return [policy.selects_decode(layer, context.max_context) for layer in range(num_layers)]
 
 
 @dataclass(slots=True)
@@ -24,37 +37,31 @@ class OffloadAttention:
     engine: OffloadEngine
     plan: OffloadStepPlan
     loads: RingLoads
+    sparse: list[bool]                   # per layer: decode reads selected pages
+    slots: torch.Tensor                  # [T] host-pool slot of each new token
     backends: AttentionBackends
-    policy: SparsePolicy
+    policy: PolicyRuntime
     scale: float
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.engine.write_layer(layer, k, v, self.plan.new_kv)
-        self._blocks_leaving(layer, k)
+        self.policy.on_kv_written(layer, k, self.slots)
         out, lse = self._on_device(layer, q, k, v)
+        jobs = self.plan.jobs
+        if self.sparse[layer]:
+            out, lse = self._selected_pages(layer, q, out, lse)
+            jobs = self.plan.sparse_jobs
         for job, slot in self.loads.layer(layer):
-            out, lse = self._over_slot(slot, self.plan.jobs[job], q, out, lse)
+            out, lse = self._over_slot(layer, slot, jobs[job], q, out, lse)
         return out
-
-    def _blocks_leaving(self, layer: int, k: torch.Tensor) -> None:
-        """The policy sees each full block's keys while they are still on the device."""
-        new, block_size = self.plan.new_kv, self.engine.slots[0].k.shape[1]
-        if new.staging_to_host:
-            staged = k.index_select(0, new.staging_rows).view(-1, block_size, *k.shape[1:])
-            for src, host, count in new.staging_to_host:
-                for i in range(count):
-                    self.policy.on_block_offload(BlockOffload(host + i, layer, staged[src + i]))
-        tail_k, _ = self.engine.tails(layer)
-        for tail, host, _ in new.tails_to_host:
-            self.policy.on_block_offload(BlockOffload(host, layer, tail_k[tail]))
 
     def _on_device(self, layer: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """The new chunks attend causally to themselves; single tokens to their tail block."""
         plan, split = self.plan, self.plan.num_prefill_tokens
         parts = []
         if split:
-            parts.append(self.backends.varlen(q[:split], k[:split], v[:split], plan.chunk_meta,
-                                              causal=True, scale=self.scale))
+            parts.append(prefill_attention(self.policy, self.backends, layer, q[:split], k[:split],
+                                           v[:split], plan.chunk_meta, causal=True, scale=self.scale))
         if split < q.shape[0]:
             tail_k, tail_v = self.engine.tails(layer)
             parts.append(self.backends.paged_decode(
@@ -64,17 +71,39 @@ class OffloadAttention:
             return parts[0][0], parts[0][1].contiguous()
         return torch.cat((parts[0][0], parts[1][0])), torch.cat((parts[0][1], parts[1][1]))
 
-    def _over_slot(self, slot: RingSlot, job: JobTemplate, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    def _selected_pages(self, layer: int, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode rows over the host pages the policy chooses, gathered straight from the pool."""
+        context = self.plan.decode_context
+        q_dec = q.index_select(0, context.rows)
+        chosen = self.policy.select_decode(layer, DecodeQuery(q_dec, context.block_tables,
+                                                              context.context_lens, context.max_context))
+        pages_per_block = self.engine.block_size // chosen.page_size
+        rows, heads, picked = chosen.indices.shape
+        blocks = context.block_tables.long().gather(1, (chosen.indices.long() // pages_per_block).view(rows, -1))
+        page_src = blocks.view(rows, heads, picked) * pages_per_block + chosen.indices % pages_per_block
+        dk, dv = self.engine.gather_pages(layer, page_src, chosen.counts, chosen.page_size)
+        # The gathered pages are a cache of one "block" per row, read through its page list.
+        own_block = torch.arange(rows, dtype=torch.int32, device=q.device).view(rows, 1)
+        page_list = torch.arange(picked, dtype=torch.int32, device=q.device).expand(rows, heads, picked)
+        every_token = torch.full((rows,), picked * chosen.page_size, dtype=torch.int32, device=q.device)
+        part = self.backends.paged_decode_selected(
+            q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
+            every_token, page_size=chosen.page_size, scale=self.scale)
+        return _merge_rows(out, lse, context.rows, part)
+
+    def _over_slot(self, layer: int, slot: RingSlot, job: JobTemplate, q, out,
+                   lse) -> tuple[torch.Tensor, torch.Tensor]:
         if job.prefill_index is not None:
             keys = job.prefill_blocks
-            part = self.backends.varlen(
-                q.index_select(0, job.prefill_index), slot.k[:keys].flatten(0, 1),
-                slot.v[:keys].flatten(0, 1), job.prefill_meta, causal=False, scale=self.scale)
+            part = prefill_attention(
+                self.policy, self.backends, layer, q.index_select(0, job.prefill_index),
+                slot.k_tokens[:keys].flatten(0, 1), slot.v_tokens[:keys].flatten(0, 1),
+                job.prefill_meta, causal=False, scale=self.scale)
             out, lse = _merge_rows(out, lse, job.prefill_index, part)
         if job.decode_index is not None:
             part = self.backends.paged_decode(
-                q.index_select(0, job.decode_index), slot.k, slot.v, job.decode_table_tensor,
-                job.decode_lens, scale=self.scale, max_context_len=job.decode_max)
+                q.index_select(0, job.decode_index), slot.k_tokens, slot.v_tokens,
+                job.decode_table_tensor, job.decode_lens, scale=self.scale, max_context_len=job.decode_max)
             out, lse = _merge_rows(out, lse, job.decode_index, part)
         return out, lse
 

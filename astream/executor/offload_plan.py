@@ -42,13 +42,26 @@ class JobTemplate:
 
 
 @dataclass(slots=True, frozen=True)
+class DecodeContext:
+    """The host KV the step's decode rows may read: each row's full blocks before its tail,
+    for a sparse policy to choose pages from (as `policies.DecodeQuery` wants them)."""
+
+    rows: torch.Tensor                             # [D] rows of the step's tokens
+    block_tables: torch.Tensor                     # [D, max_blocks] int32 host block ids
+    context_lens: torch.Tensor                     # [D] int32 tokens in those blocks
+    max_context: int
+
+
+@dataclass(slots=True, frozen=True)
 class OffloadStepPlan:
-    jobs: list[JobTemplate]
+    jobs: list[JobTemplate]                        # every row's host context, for dense layers
+    sparse_jobs: list[JobTemplate]                 # prefill rows' only: sparse decode gathers
     num_prefill_tokens: int
     chunk_meta: VarlenMeta | None                  # causal attention within the new chunks
     new_kv: NewKV                                  # where the step's new KV goes
     decode_tail_tables: torch.Tensor | None        # [D, 1] each decode row's tail slot
     decode_tail_lens: torch.Tensor | None          # [D] tokens in that tail, the new one included
+    decode_context: DecodeContext | None           # None without decode rows that have host KV
 
 
 @dataclass(slots=True)
@@ -74,53 +87,91 @@ class TailSlots:
             del self.owners[seq]
 
 
+@dataclass(slots=True)
+class _PlanBuilder:
+    """Host lists of one step's plan, filled row by row."""
+
+    block_size: int
+    slot_blocks: int
+    jobs: list[JobTemplate] = field(default_factory=list)
+    sparse_jobs: list[JobTemplate] = field(default_factory=list)
+    staging_rows: list[int] = field(default_factory=list)
+    staging_index: list[int] = field(default_factory=list)
+    tail_rows: list[int] = field(default_factory=list)
+    tail_index: list[int] = field(default_factory=list)
+    staging_runs: list[Run] = field(default_factory=list)
+    tail_offloads: list[Run] = field(default_factory=list)
+    tail_tables: list[list[int]] = field(default_factory=list)
+    tail_lens: list[int] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    chunk_cu: list[int] = field(default_factory=lambda: [0])
+    staging_used: int = 0
+
+    def prefill(self, seq, start: int, n: int, row: int, tail: int) -> None:
+        bs, context_blocks = self.block_size, start // self.block_size
+        assert start % bs == 0, "prefill chunks must start on a block boundary"
+        for jobs in (self.jobs, self.sparse_jobs):
+            _pack(jobs, self.slot_blocks, seq.block_table[:context_blocks], row, n, True)
+        full, used = n // bs, self.staging_used
+        self.staging_rows += range(row, row + full * bs)
+        self.staging_index += range(used * bs, (used + full) * bs)
+        self.staging_runs += _runs(zip(range(used, used + full),
+                                       seq.block_table[context_blocks:context_blocks + full]))
+        self.staging_used += full
+        self.tail_rows += range(row + full * bs, row + n)
+        self.tail_index += range(tail * bs, tail * bs + n - full * bs)
+        self.chunk_cu.append(self.chunk_cu[-1] + n)
+
+    def decode(self, seq, start: int, row: int, tail: int) -> None:
+        bs, context_blocks = self.block_size, start // self.block_size
+        _pack(self.jobs, self.slot_blocks, seq.block_table[:context_blocks], row, 1, False)
+        offset = start % bs
+        self.tail_rows.append(row)
+        self.tail_index.append(tail * bs + offset)
+        self.tail_tables.append([tail])
+        self.tail_lens.append(offset + 1)
+        if offset == bs - 1:
+            self.tail_offloads.append(Run(tail, seq.block_table[context_blocks], 1))
+        self.decode_rows.append(row)
+        self.decode_tables.append(seq.block_table[:context_blocks])
+
+
 def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
                        device: torch.device) -> OffloadStepPlan:
-    bs = block_size
-    prefill = [item for item in batch.items if item.num_tokens > 1]
-    jobs: list[JobTemplate] = []
-    staging_rows, staging_index, tail_rows, tail_index = [], [], [], []
-    staging_runs, tail_offloads, tail_tables, tail_lens = [], [], [], []
-    chunk_cu, row, staging_used = [0], 0, 0
+    plan = _PlanBuilder(block_size, slot_blocks)
+    row = 0
     for item in batch.items:
-        seq, start, n = item.seq, item.start, item.num_tokens
-        tail = tails.slot_for(seq)
-        context_blocks = start // bs
-        if n > 1:
-            assert start % bs == 0, "prefill chunks must start on a block boundary"
-            _pack(jobs, slot_blocks, seq.block_table[:context_blocks], row, n, True)
-            full = n // bs
-            staging_rows += range(row, row + full * bs)
-            staging_index += range(staging_used * bs, (staging_used + full) * bs)
-            staging_runs += _runs(zip(range(staging_used, staging_used + full),
-                                      seq.block_table[context_blocks:context_blocks + full]))
-            staging_used += full
-            tail_rows += range(row + full * bs, row + n)
-            tail_index += range(tail * bs, tail * bs + n - full * bs)
-            chunk_cu.append(chunk_cu[-1] + n)
+        tail = tails.slot_for(item.seq)
+        if item.num_tokens > 1:
+            plan.prefill(item.seq, item.start, item.num_tokens, row, tail)
         else:
-            _pack(jobs, slot_blocks, seq.block_table[:context_blocks], row, 1, False)
-            offset = start % bs
-            tail_rows.append(row)
-            tail_index.append(tail * bs + offset)
-            tail_tables.append([tail])
-            tail_lens.append(offset + 1)
-            if offset == bs - 1:
-                tail_offloads.append(Run(tail, seq.block_table[context_blocks], 1))
-        row += n
-    for job in jobs:
-        _finalize(job, bs, device)
-    num_prefill = chunk_cu[-1]
-    new_kv = NewKV(staging_rows=_tensor(staging_rows, torch.int64, device),
-                   staging_index=_tensor(staging_index, torch.int64, device),
-                   tail_rows=_tensor(tail_rows, torch.int64, device),
-                   tail_index=_tensor(tail_index, torch.int64, device),
-                   staging_to_host=tuple(staging_runs), tails_to_host=tuple(tail_offloads))
+            plan.decode(item.seq, item.start, row, tail)
+        row += item.num_tokens
+    for job in plan.jobs + plan.sparse_jobs:
+        _finalize(job, block_size, device)
+    new_kv = NewKV(staging_rows=_tensor(plan.staging_rows, torch.int64, device),
+                   staging_index=_tensor(plan.staging_index, torch.int64, device),
+                   tail_rows=_tensor(plan.tail_rows, torch.int64, device),
+                   tail_index=_tensor(plan.tail_index, torch.int64, device),
+                   staging_to_host=tuple(plan.staging_runs), tails_to_host=tuple(plan.tail_offloads))
     return OffloadStepPlan(
-        jobs=jobs, num_prefill_tokens=num_prefill,
-        chunk_meta=varlen_meta(chunk_cu, chunk_cu, device) if prefill else None, new_kv=new_kv,
-        decode_tail_tables=_tensor(tail_tables, torch.int32, device),
-        decode_tail_lens=_tensor(tail_lens, torch.int32, device))
+        jobs=plan.jobs, sparse_jobs=plan.sparse_jobs, num_prefill_tokens=plan.chunk_cu[-1],
+        chunk_meta=varlen_meta(plan.chunk_cu, plan.chunk_cu, device) if len(plan.chunk_cu) > 1 else None,
+        new_kv=new_kv, decode_tail_tables=_tensor(plan.tail_tables, torch.int32, device),
+        decode_tail_lens=_tensor(plan.tail_lens, torch.int32, device),
+        decode_context=_decode_context(plan, device))
+
+
+def _decode_context(plan: _PlanBuilder, device: torch.device) -> DecodeContext | None:
+    if not any(plan.decode_tables):
+        return None
+    width = max(len(t) for t in plan.decode_tables)
+    tables = [t + [0] * (width - len(t)) for t in plan.decode_tables]
+    lens = [len(t) * plan.block_size for t in plan.decode_tables]
+    return DecodeContext(_tensor(plan.decode_rows, torch.int64, device),
+                         _tensor(tables, torch.int32, device), _tensor(lens, torch.int32, device),
+                         max(lens))
 
 
 def _pack(jobs: list[JobTemplate], slot_blocks: int, blocks: list[int], row: int, n: int,

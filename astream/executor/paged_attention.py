@@ -1,4 +1,9 @@
-"""Attention over the device-resident paged cache, as the decoder's `attend` argument."""
+"""Attention over the device-resident paged cache, as the decoder's `attend` argument.
+
+The sparse policy sees every layer's new keys as they are stored, may replace attention
+over a prefill chunk, and may choose, per sequence and KV head, the pages a decode query
+reads; Full does none of it.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,9 @@ import torch
 from astream.executor.inputs import AttentionMetadata
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.ops.backends import AttentionBackends
+from astream.ops.quest import with_newest_block
+from astream.ops.varlen import VarlenMeta
+from astream.policies import DecodeQuery, PolicyRuntime
 
 
 @dataclass(slots=True)
@@ -18,11 +26,13 @@ class PagedAttention:
     cache: PagedKVCache
     meta: AttentionMetadata
     backends: AttentionBackends
+    policy: PolicyRuntime
     scale: float
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.cache.store(layer, k, v, meta.slot_mapping)
+        self.policy.on_kv_written(layer, k, meta.slot_mapping)
         split = meta.num_prefill_tokens
         if split == q.shape[0]:
             return self._prefill(layer, q, k, v)
@@ -36,12 +46,33 @@ class PagedAttention:
     def _prefill(self, layer: int, q, k, v) -> torch.Tensor:
         if self.meta.prefill_key_slots is not None:
             k, v = self.cache.gather(layer, self.meta.prefill_key_slots)
-        out, _ = self.backends.varlen(q, k, v, self.meta.prefill, causal=True, scale=self.scale)
+        out, _ = prefill_attention(self.policy, self.backends, layer, q, k, v, self.meta.prefill,
+                                   causal=True, scale=self.scale)
         return out
 
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        meta = self.meta
-        out, _ = self.backends.paged_decode(
-            q, self.cache.k[layer], self.cache.v[layer], meta.decode_block_tables,
-            meta.decode_context_lens, scale=self.scale, max_context_len=meta.decode_max_context)
+        meta, cache = self.meta, self.cache
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if self.policy.selects_decode(layer, meta.decode_max_context):
+            # Pages are chosen among full blocks; the newest block is read whole, as the
+            # device tail is with offload, so both paths read the same pages.
+            bs = cache.block_size
+            full = ((lens.long() - 1).clamp(min=0) // bs * bs).to(torch.int32)
+            chosen = self.policy.select_decode(layer, DecodeQuery(q, tables, full, meta.decode_max_context))
+            pages, counts = with_newest_block(chosen.indices, chosen.counts, full, bs, chosen.page_size)
+            out, _ = self.backends.paged_decode_selected(
+                q, cache.k[layer], cache.v[layer], tables, pages, counts, lens,
+                page_size=chosen.page_size, scale=self.scale)
+            return out
+        out, _ = self.backends.paged_decode(q, cache.k[layer], cache.v[layer], tables, lens,
+                                            scale=self.scale, max_context_len=meta.decode_max_context)
         return out
+
+
+def prefill_attention(policy: PolicyRuntime, backends: AttentionBackends, layer: int, q, k, v,
+                      meta: VarlenMeta, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over one prefill part: the policy's, if it replaces it, else the kernel's."""
+    replaced = policy.prefill_attention(layer, q, k, v, meta, causal, scale)
+    if replaced is not None:
+        return replaced
+    return backends.varlen(q, k, v, meta, causal=causal, scale=scale)

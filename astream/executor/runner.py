@@ -17,7 +17,7 @@ import torch
 
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.inputs import StepInputs, build_inputs
-from astream.executor.offload_attention import OffloadAttention
+from astream.executor.offload_attention import OffloadAttention, sparse_layers
 from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
@@ -25,7 +25,7 @@ from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
-from astream.policies import SparsePolicy
+from astream.policies import PolicyRuntime
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 from astream.scheduler import ScheduledBatch
@@ -63,7 +63,7 @@ class ModelRunner:
     decoder: Decoder
     runtime: DeviceRuntime
     backends: AttentionBackends
-    policy: SparsePolicy
+    policy: PolicyRuntime
     generator: torch.Generator
     block_size: int
     cache: PagedKVCache | None = None
@@ -121,13 +121,16 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> Generator[Event, None, torch.Tensor]:
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
-        attend = PagedAttention(self.cache, inputs.attn, self.backends, self.scale)
+        attend = PagedAttention(self.cache, inputs.attn, self.backends, self.policy, self.scale)
         return (yield from self._layers(inputs, attend))
 
     def _offloaded_forward(self, step: PreparedStep) -> Generator[Event, None, torch.Tensor]:
-        plan, num_layers = step.offload_plan, self.decoder.config.num_layers
-        loads = self.offload.loads([job.runs for job in plan.jobs], num_layers)
-        attend = OffloadAttention(self.offload, plan, loads, self.backends, self.policy, self.scale)
+        plan = step.offload_plan
+        sparse = sparse_layers(plan, self.policy, self.decoder.config.num_layers)
+        loads = self.offload.loads([[job.runs for job in (plan.sparse_jobs if s else plan.jobs)]
+                                    for s in sparse])
+        attend = OffloadAttention(self.offload, plan, loads, sparse, step.inputs.attn.slot_mapping,
+                                  self.backends, self.policy, self.scale)
         return (yield from self._layers(step.inputs, attend))
 
     def _layers(self, inputs: StepInputs, attend) -> Generator[Event, None, torch.Tensor]:

@@ -1,8 +1,10 @@
 """OffloadEngine: the only place where KV crosses between host and device.
 
-Memory it owns:
-- host pool: k/v per layer, [host_blocks, block_size, kv_heads, head_dim], views of one
-  allocation pinned on CUDA (exactly its size; see runtime/pinned.py);
+Memory it owns, every buffer head-major ([blocks, kv_heads, block_size, head_dim]) so that
+one KV head's run of tokens in a block is contiguous (a sparse policy's page gather reads
+it in one piece) and every copy between host and device is a plain block range:
+- host pool: k/v per layer, views of one allocation pinned on CUDA (exactly its size;
+  see runtime/pinned.py);
 - ring: `num_slots` device buffers a layer's host KV is loaded into;
 - staging: two device buffers new KV is written to before it leaves for the host;
 - tails: one device block per running sequence and layer, holding its newest,
@@ -11,8 +13,10 @@ Memory it owns:
 Its whole API: `write_layer` (a layer's new KV in, and on its way to the host),
 `tails` (the device tails a layer's decode attends to), `loads` (one step's loads into
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
-when the caller is done with it, and the next load starts), `pending_offloads`, and
-`free_host_pool`.
+when the caller is done with it, and the next load starts), `gather_pages` (chosen
+pages of a layer's host KV, read in place by the device), `pending_offloads`, and
+`free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
+head_dim], strided), the layout the attention kernels take.
 
 Three streams, ordered only by events, never by the host:
 - H2D (loads) waits for the slot's previous reader to finish (`slot.free`) and for the
@@ -30,6 +34,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from astream.models.config import ModelConfig
+from astream.ops.quest import gather_pages
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 from astream.runtime.pinned import PinnedHostTensor
@@ -58,10 +63,19 @@ class NewKV:
 
 @dataclass(slots=True)
 class RingSlot:
-    k: torch.Tensor                      # [slot_blocks, block_size, kv_heads, head_dim]
+    k: torch.Tensor                      # [slot_blocks, kv_heads, block_size, head_dim]
     v: torch.Tensor
     loaded: Event | None = None          # H2D of its current contents done
     free: Event | None = None            # compute done with its previous contents
+
+    @property
+    def k_tokens(self) -> torch.Tensor:
+        """[slot_blocks, block_size, kv_heads, head_dim] view."""
+        return self.k.transpose(1, 2)
+
+    @property
+    def v_tokens(self) -> torch.Tensor:
+        return self.v.transpose(1, 2)
 
 
 @dataclass(slots=True)
@@ -71,7 +85,7 @@ class OffloadEngine:
     host_v: list[torch.Tensor]
     slots: list[RingSlot]
     staging: list[tuple[torch.Tensor, torch.Tensor]]
-    tail_k: list[torch.Tensor]           # per layer [max_seqs + 1, block_size, kv_heads, head_dim]
+    tail_k: list[torch.Tensor]           # per layer [max_seqs + 1, kv_heads, block_size, head_dim]
     tail_v: list[torch.Tensor]
     host_pool: PinnedHostTensor | None = None   # owns host_k/host_v's memory
     h2d: torch.cuda.Stream | None = None
@@ -85,7 +99,7 @@ class OffloadEngine:
     def allocate(cls, model: ModelConfig, host_blocks: int, block_size: int, num_slots: int,
                  slot_blocks: int, staging_blocks: int, max_seqs: int, dtype: torch.dtype,
                  runtime: DeviceRuntime) -> "OffloadEngine":
-        shape = (block_size, model.num_kv_heads, model.head_dim)
+        shape = (model.num_kv_heads, block_size, model.head_dim)
         device, pin = runtime.device, runtime.is_cuda
 
         def buffers(n: int, count: int) -> list[torch.Tensor]:
@@ -105,6 +119,10 @@ class OffloadEngine:
     @property
     def slot_blocks(self) -> int:
         return self.slots[0].k.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.slots[0].k.shape[2]
 
     @property
     def block_bytes(self) -> int:
@@ -130,8 +148,8 @@ class OffloadEngine:
             self._to_host(layer, staging, new)
 
     def tails(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's device tail blocks, [max_seqs + 1, block_size, kv_heads, head_dim] each."""
-        return self.tail_k[layer], self.tail_v[layer]
+        """The layer's device tail blocks, [max_seqs + 1, block_size, kv_heads, head_dim] views."""
+        return self.tail_k[layer].transpose(1, 2), self.tail_v[layer].transpose(1, 2)
 
     def _to_host(self, layer: int, staging: tuple[torch.Tensor, torch.Tensor], new: NewKV) -> None:
         rt = self.runtime
@@ -154,12 +172,27 @@ class OffloadEngine:
 
     # ---- loads: host -> ring slots --------------------------------------------------------------
 
-    def loads(self, jobs: list[list[Run]], num_layers: int) -> "RingLoads":
-        """One step's loads: `jobs` (host block -> slot block runs, one list per ring slot's
-        worth) repeat for every layer. Loads start at once, `num_slots` jobs ahead."""
-        ring = RingLoads(self, jobs, num_layers)
+    def loads(self, layer_jobs: list[list[list[Run]]]) -> "RingLoads":
+        """One step's loads: for each layer its jobs (host block -> slot block runs, one ring
+        slot's worth each). Loads start at once and run `num_slots` jobs ahead of compute."""
+        ring = RingLoads(self, layer_jobs, [(layer, runs) for layer, jobs in enumerate(layer_jobs)
+                                            for runs in jobs])
         ring.prefetch()
         return ring
+
+    def gather_pages(self, layer: int, page_src: torch.Tensor, counts: torch.Tensor,
+                     page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages of the layer's host KV (page_src [B, KVH, P] physical page ids, the first
+        counts [B, KVH] of each row real) read in place by a device kernel, into dense
+        [B, KVH, P * page_size, head_dim] buffers on the compute stream."""
+        rt = self.runtime
+        rt.wait(self.offloaded[layer])          # no page is read while it is being written
+        batch, kv_heads, pages = page_src.shape
+        shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
+        dk = torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device)
+        dv = torch.empty_like(dk)
+        gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
+        return dk, dv
 
     def _load(self, slot: RingSlot, layer: int, runs: list[Run]) -> None:
         rt = self.runtime
@@ -189,8 +222,8 @@ class RingLoads:
     """Every layer's load jobs in compute order, kept `num_slots` jobs ahead of compute."""
 
     engine: OffloadEngine
-    jobs: list[list[Run]]
-    num_layers: int
+    layer_jobs: list[list[list[Run]]]
+    order: list[tuple[int, list[Run]]]         # (layer, runs) of every job, in compute order
     issued: int = 0
     done: int = 0
 
@@ -198,8 +231,8 @@ class RingLoads:
         """(job index, slot) for each job of `layer`, once its load has landed (the compute
         stream waits, not the host). Leaving the loop body releases the slot."""
         engine, num_slots = self.engine, len(self.engine.slots)
-        assert self.done == layer * len(self.jobs), "layers must be iterated in order"
-        for job in range(len(self.jobs)):
+        for job in range(len(self.layer_jobs[layer])):
+            assert self.order[self.done][0] == layer, "layers must be iterated in order"
             slot = engine.slots[self.done % num_slots]
             engine.runtime.wait(slot.loaded)
             yield job, slot
@@ -209,16 +242,18 @@ class RingLoads:
 
     def prefetch(self) -> None:
         engine, num_slots = self.engine, len(self.engine.slots)
-        total = len(self.jobs) * self.num_layers
-        while self.issued < min(self.done + num_slots, total):
-            layer, job = divmod(self.issued, len(self.jobs))
-            engine._load(engine.slots[self.issued % num_slots], layer, self.jobs[job])
+        while self.issued < min(self.done + num_slots, len(self.order)):
+            layer, runs = self.order[self.issued]
+            engine._load(engine.slots[self.issued % num_slots], layer, runs)
             self.issued += 1
 
 
 def _store(dest: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
            flat_index: torch.Tensor) -> None:
-    """Write K/V rows into block buffers at flat token positions (block * block_size + offset)."""
+    """Write K/V rows [T, kv_heads, head_dim] into head-major block buffers at flat token
+    positions (block * block_size + offset)."""
     dk, dv = dest
-    dk.view(-1, *dk.shape[2:]).index_copy_(0, flat_index, k)
-    dv.view(-1, *dv.shape[2:]).index_copy_(0, flat_index, v)
+    block_size = dk.shape[2]
+    blocks, offsets = flat_index // block_size, flat_index % block_size
+    dk.transpose(1, 2).index_put_((blocks, offsets), k)
+    dv.transpose(1, 2).index_put_((blocks, offsets), v)

@@ -33,6 +33,7 @@ class CacheSpec:
     offload_host_gib: float | None = None
     offload_ring_slots: int = 3
     offload_slot_tokens: int | None = None
+    kv_overhead: float = 0.0        # device bytes of policy metadata per byte of KV in the cache
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,9 +63,13 @@ def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
         budget = max(budget, cfg.max_num_seqs + block)     # room for a whole block after decodes
         blocks = cfg.num_kv_blocks or _host_blocks(cfg, max_len, block, block_bytes)
     else:
-        blocks = cfg.num_kv_blocks or _device_blocks(cfg, model, dtype, device, budget, block_bytes)
+        blocks = cfg.num_kv_blocks or _device_blocks(cfg, model, dtype, device, budget,
+                                                     int(block_bytes * (1 + cfg.kv_overhead)))
     max_len = _fit_max_len(cfg, blocks, block, max_len, "host KV pool" if cfg.offload else "KV cache")
-    offload = _plan_offload(cfg, model, dtype, device, budget, max_len) if cfg.offload else None
+    offload = None
+    if cfg.offload:     # the policy's metadata of the host pool's blocks lives on the device
+        metadata = int(blocks * block_bytes * cfg.kv_overhead)
+        offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata)
     return CachePlan(blocks, block, max_len, budget, offload)
 
 
@@ -116,7 +121,7 @@ def _host_blocks(cfg: CacheSpec, max_len: int, block: int, block_bytes: int) -> 
 
 
 def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  budget: int, max_len: int) -> OffloadPlan:
+                  budget: int, max_len: int, metadata_bytes: int = 0) -> OffloadPlan:
     block = cfg.block_size
     slots = cfg.offload_ring_slots
     layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(dtype)
@@ -127,7 +132,8 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
     if cfg.offload_slot_tokens:
         slot_blocks = -(-cfg.offload_slot_tokens // block)
     elif device.type == "cuda":
-        fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes
+        fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes \
+            + metadata_bytes
         spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
         slot_blocks = min(wanted, max(spare, 0) // (slots * layer_block_bytes))
     else:

@@ -110,7 +110,7 @@ def _gather_context(cache: Tensor, tables: Tensor) -> Tensor:
     """[num_blocks, bs, KVH, D] gathered by tables [B, n] -> [B, KVH, n*bs, D] float32."""
     n_batch, n_blocks = tables.shape
     gathered = cache[tables.reshape(-1)]
-    return _heads_first(gathered.view(n_batch, n_blocks * cache.shape[1], *cache.shape[2:]))
+    return _heads_first(gathered.reshape(n_batch, n_blocks * cache.shape[1], *cache.shape[2:]))
 
 
 def _decode_chunk(

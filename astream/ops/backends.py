@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from astream.ops import attention_ref, flash
+from astream.ops import attention_ref, flash, quest
 from astream.ops.attention import HALF_DTYPES, select_backend, select_decode_backend
 from astream.ops.varlen import VarlenMeta
 
@@ -54,3 +54,14 @@ class AttentionBackends:
                                                      scale=scale, max_context_len=max_context_len)
         return attention_ref.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
                                                         scale=scale, max_context_len=max_context_len)
+
+    def paged_decode_selected(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                              page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
+                              page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+        """Decode over selected pages per KV head (see ops.quest.paged_decode_selected_ref)."""
+        args = (q, k_cache, v_cache, block_tables, page_indices, page_counts, context_lens)
+        if self.decode_name == "triton":
+            from astream.ops import triton_quest
+
+            return triton_quest.paged_decode_selected_triton(*args, page_size=page_size, scale=scale)
+        return quest.paged_decode_selected_ref(*args, page_size=page_size, scale=scale)

@@ -1,22 +1,32 @@
-"""Sparse attention policies: which KV blocks attention reads."""
+"""Sparse attention policies: which KV a query reads (see policies/base.py for the seam)."""
 
 from __future__ import annotations
 
-from astream.policies.base import BlockOffload, PolicyContext, SparsePolicy
+from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
 from astream.policies.full import FullPolicy
+from astream.policies.quest import QuestPolicy, QuestRuntime
 
-POLICIES = {"full": FullPolicy}
+POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy}
 
 
-def make_policy(name: str | SparsePolicy) -> SparsePolicy:
-    """The policy an engine option names (or the instance it is). Unknown names raise
-    ValueError listing the known ones."""
-    if isinstance(name, SparsePolicy):
-        return name
-    if not isinstance(name, str) or name not in POLICIES:
-        raise ValueError(f"unknown sparse_policy {name!r}; use one of {sorted(POLICIES)} "
+def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> SparsePolicy:
+    """The policy an engine option names, or the instance it is. A budget applies to a policy
+    given by name. Unknown names and bad parameters raise ValueError naming them."""
+    if isinstance(spec, SparsePolicy):
+        if budget_tokens is not None:
+            raise ValueError("sparse_budget applies to a policy given by name; a SparsePolicy "
+                             "instance carries its own parameters")
+        return spec
+    if not isinstance(spec, str) or spec not in POLICIES:
+        raise ValueError(f"unknown sparse_policy {spec!r}; use one of {sorted(POLICIES)} "
                          "or a SparsePolicy instance")
-    return POLICIES[name]()
+    cls = POLICIES[spec]
+    if budget_tokens is None:
+        return cls()
+    if "budget_tokens" not in getattr(cls, "__dataclass_fields__", {}):
+        raise ValueError(f"sparse policy {spec!r} takes no budget (sparse_budget)")
+    return cls(budget_tokens=budget_tokens)
 
 
-__all__ = ["BlockOffload", "FullPolicy", "POLICIES", "PolicyContext", "SparsePolicy", "make_policy"]
+__all__ = ["DecodeQuery", "FullPolicy", "KVLayout", "POLICIES", "PageSelection", "PolicyRuntime",
+           "QuestPolicy", "QuestRuntime", "SparsePolicy", "make_policy"]

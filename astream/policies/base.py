@@ -1,15 +1,20 @@
 """The sparse-attention policy seam.
 
-A policy decides which KV blocks attention reads and may replace prefill attention.
-Policies compute; the OffloadEngine moves data. The engine calls them at three points:
+A policy is a small frozen description of a method and its parameters (`FullPolicy()`,
+`QuestPolicy(budget_tokens=2048)`). When an engine is built it is bound once to the
+model's attention shape and the KV cache it will read (`KVLayout`): `bind` returns a
+`PolicyRuntime`, which owns whatever device metadata the method keeps and which the
+executor's attention adapters call, on the resident path and with offload alike:
 
-- `select_blocks(blocks, ctx)`: which host blocks a sequence's attention needs at one
-  layer (only consulted when `requires_block_selection` is set).
-- `on_block_offload(event)`: called once per block per layer with that block's keys,
-  while they are still on the device and before the block leaves for the host
-  (Quest keeps per-block key bounds here).
-- `prefill_attention(q, k, v, ctx)`: an optional replacement for causal attention over
-  a prefill chunk (MInference, XAttention); None means "use full attention".
+- `on_kv_written(layer, keys, slots)`: once per layer, the keys just stored (every new
+  token of the step, batched) and their flat cache slots (host pool slots with offload);
+- `selects_decode(layer, max_context)` (host ints only) and `select_decode(layer, query)`:
+  which pages each sequence's decode query reads, per KV head, as device tensors;
+- `prefill_attention(layer, q, k, v, meta, causal, scale)`: may replace attention over one prefill
+  part (a chunk over itself, or over a slice of its prefix) and return (out, lse).
+
+No hook may read a device value on the host (`.item()`, `.tolist()`, synchronize): they
+run once per layer inside steps, and on the resident path inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -17,41 +22,75 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
+
+from astream.ops.varlen import VarlenMeta
 
 
 @dataclass(slots=True, frozen=True)
-class PolicyContext:
-    """Everything a policy may look at for one sequence at one layer, passed as one object."""
+class KVLayout:
+    """What a policy is bound to: the model's attention shape and the cache it reads."""
 
-    layer: int
-    phase: str                         # "prefill" | "decode"
-    request_id: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_blocks: int                  # physical blocks of the cache (the host pool with offload)
     block_size: int
-    num_context_tokens: int            # tokens before the ones computed now
-    query: torch.Tensor | None = None  # [rows, heads, head_dim] when available
+    dtype: torch.dtype
+    device: torch.device
+    offload: bool
 
 
 @dataclass(slots=True, frozen=True)
-class BlockOffload:
-    """One full block about to leave the device."""
+class DecodeQuery:
+    """One layer's decode queries and the KV they may read (device tensors, one row a sequence)."""
 
-    host_block: int
-    layer: int
-    keys: torch.Tensor                 # [block_size, kv_heads, head_dim] on the device
+    q: Tensor                        # [B, H, D]
+    block_tables: Tensor             # [B, max_blocks] int32: the blocks holding that KV
+    context_lens: Tensor             # [B] int32: tokens selectable (from the start of the table)
+    max_context: int                 # a host bound on context_lens (fixes the shapes)
+
+
+@dataclass(slots=True, frozen=True)
+class PageSelection:
+    """Per sequence and KV head, the logical pages a decode query reads."""
+
+    indices: Tensor                  # [B, KVH, P] int32, ascending; entries past counts repeat
+    counts: Tensor                   # [B, KVH] int32
+    page_size: int
+
+
+class PolicyRuntime:
+    """A policy bound to one engine. This base is full attention: every hook is a no-op."""
+
+    def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
+        return None
+
+    def selects_decode(self, layer: int, max_context: int) -> bool:
+        return False
+
+    def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
+        raise NotImplementedError("only called when selects_decode is True")
+
+    def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
+                          causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:
+        """Attention over one prefill part (q [Tq, H, D], k/v [Tk, KVH, D] packed by `meta`;
+        causal bottom-right when `causal`) as (out, lse), or None for the engine's kernel."""
+        return None
+
+    def stats(self) -> dict:
+        return {}
 
 
 class SparsePolicy:
+    """A sparse-attention method with its parameters; see the module docstring."""
+
     name = "base"
-    supports_prefill = True
-    supports_decode = True
-    requires_block_selection = False
 
-    def select_blocks(self, blocks: list[int], ctx: PolicyContext) -> list[int]:
-        return blocks
+    def bind(self, layout: KVLayout) -> PolicyRuntime:
+        return PolicyRuntime()
 
-    def on_block_offload(self, event: BlockOffload) -> None:
-        return None
-
-    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          ctx: PolicyContext) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None
+    def kv_overhead(self, num_layers: int) -> float:
+        """Device bytes of metadata the policy keeps, per byte of KV in the cache."""
+        return 0.0

@@ -1,0 +1,327 @@
+"""Quest (Tang et al., ICML 2024) device-side ops for decode: page key bounds,
+query-aware page scores, top-k page selection, attention over the selected pages
+and the page gather that feeds it from a host pool.
+
+Pages are runs of `page_size` tokens inside cache blocks (block_size % page_size == 0);
+physical page id = block * (block_size // page_size) + j. Logical page p of a sequence
+lives in physical page block_table[p // ppb] * ppb + p % ppb, ppb = block_size // page_size.
+
+Bounds are kept in the cache's dtype: min and max only select stored values, so they are
+exact in it, and float32 would double their memory for nothing. Scores are computed in
+float32. No op here reads a device value on the host, and every output shape follows
+from input shapes and host ints, so all of them can run inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from astream.ops.attention_ref import MAX_SCORE_ELEMENTS, _softmax_rows
+
+DEFAULT_PAGE_SIZE = 16
+GQA_REDUCTIONS = ("max", "sum")
+
+
+def pages_per_block(block_size: int, page_size: int) -> int:
+    if page_size <= 0 or block_size % page_size:
+        raise ValueError(f"block_size {block_size} is not a multiple of page_size {page_size}")
+    return block_size // page_size
+
+
+def allocate_page_bounds(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                         dtype: torch.dtype, device: torch.device | str,
+                         page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
+    """Empty bounds for every page of `num_blocks` blocks (count a scratch block in too).
+
+    Returns kmin, kmax [num_blocks * ppb, kv_heads, head_dim] in `dtype`, set to +inf / -inf
+    (the identities of min / max), so an unwritten page bounds nothing.
+    """
+    shape = (num_blocks * pages_per_block(block_size, page_size), kv_heads, head_dim)
+    return (torch.full(shape, float("inf"), dtype=dtype, device=device),
+            torch.full(shape, float("-inf"), dtype=dtype, device=device))
+
+
+def update_page_bounds(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: Tensor,
+                       page_size: int = DEFAULT_PAGE_SIZE) -> None:
+    """Fold keys [T, KVH, D] just written at flat cache slots [T] (int64) into the bounds.
+
+    A page whose first token (page offset 0) is among the new tokens is being (re)filled,
+    so it is reset first: that makes prefill chunks, single decode tokens and pages reused
+    after a free all exact. Padding rows may target one scratch slot many times.
+    """
+    pages = (slots.long() // page_size).view(-1, 1, 1).expand(keys.shape)
+    starts = (slots.long() % page_size == 0).view(-1, 1, 1).expand(keys.shape)
+    inf = torch.full((), float("inf"), dtype=kmin.dtype, device=kmin.device)
+    # Reset as a reduction too (amax with +inf resets kmin, amax with -inf keeps it), so a
+    # page's reset and its other new tokens cannot race as plain duplicate-index writes would.
+    kmin.scatter_reduce_(0, pages, torch.where(starts, inf, -inf), "amax")
+    kmax.scatter_reduce_(0, pages, torch.where(starts, -inf, inf), "amin")
+    keys = keys.to(kmin.dtype)
+    kmin.scatter_reduce_(0, pages, keys, "amin")
+    kmax.scatter_reduce_(0, pages, keys, "amax")
+
+
+def bounds_of_blocks(keys_blocks: Tensor, page_size: int = DEFAULT_PAGE_SIZE,
+                     num_valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Bounds of whole blocks: keys_blocks [n, block_size, KVH, D] -> kmin, kmax [n*ppb, KVH, D].
+
+    num_valid [n] (optional) counts the written tokens of each block; the rest are ignored
+    (a page with none gets the empty bounds +inf / -inf). Output dtype = keys' dtype.
+    """
+    n, block_size, kv_heads, head_dim = keys_blocks.shape
+    ppb = pages_per_block(block_size, page_size)
+    lo = hi = keys_blocks
+    if num_valid is not None:
+        hidden = torch.arange(block_size, device=keys_blocks.device) >= num_valid.view(-1, 1)
+        hidden = hidden.view(n, block_size, 1, 1)
+        lo = keys_blocks.masked_fill(hidden, float("inf"))
+        hi = keys_blocks.masked_fill(hidden, float("-inf"))
+    kmin = lo.unflatten(1, (ppb, page_size)).amin(dim=2)
+    kmax = hi.unflatten(1, (ppb, page_size)).amax(dim=2)
+    return kmin.reshape(n * ppb, kv_heads, head_dim), kmax.reshape(n * ppb, kv_heads, head_dim)
+
+
+def store_block_bounds(kmin: Tensor, kmax: Tensor, keys_blocks: Tensor, blocks: Tensor,
+                       page_size: int = DEFAULT_PAGE_SIZE,
+                       num_valid: Tensor | None = None) -> None:
+    """Overwrite the bounds of the pages of blocks [n] (int64) with those of keys_blocks."""
+    ppb = pages_per_block(keys_blocks.shape[1], page_size)
+    pages = (blocks.long().view(-1, 1) * ppb + torch.arange(ppb, device=blocks.device)).view(-1)
+    lo, hi = bounds_of_blocks(keys_blocks, page_size, num_valid)
+    kmin.index_copy_(0, pages, lo.to(kmin.dtype))
+    kmax.index_copy_(0, pages, hi.to(kmax.dtype))
+
+
+def physical_page_ids(block_tables: Tensor, context_lens: Tensor, *, max_pages: int,
+                      block_size: int, page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
+    """block_tables [B, max_blocks] int32, context_lens [B] -> page_ids [B, max_pages] int64
+    (-1 past each context) and num_pages [B] int32 = ceil(context_len / page_size)."""
+    ppb = pages_per_block(block_size, page_size)
+    if max_pages > block_tables.shape[1] * ppb:
+        raise ValueError(f"max_pages {max_pages} > the {block_tables.shape[1]} table blocks hold")
+    pos = torch.arange(max_pages, device=block_tables.device)
+    ids = block_tables[:, pos // ppb].long() * ppb + pos % ppb
+    num_pages = torch.div(context_lens + page_size - 1, page_size, rounding_mode="floor")
+    return torch.where(pos < num_pages.view(-1, 1), ids, -1), num_pages.to(torch.int32)
+
+
+def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num_pages: Tensor,
+                    *, gqa_reduce: str = "max") -> Tensor:
+    """Quest criticality: q [B, H, D], bounds [pages, KVH, D], page_ids [B, P] (physical;
+    entries at p >= num_pages[b] or < 0 are ignored) -> scores [B, KVH, P] float32.
+
+    Per query head: sum_i max(q_i * min_i, q_i * max_i), an upper bound of q.k over the
+    page (unscaled). A KV head's score is the max (or sum) over its query heads.
+    Invalid pages score -inf.
+    """
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, not {gqa_reduce!r}")
+    batch, n_heads, head_dim = q.shape
+    kv_heads = kmin.shape[1]
+    pos = torch.arange(page_ids.shape[1], device=q.device)
+    valid = (pos < num_pages.view(-1, 1)) & (page_ids >= 0)
+    ids = torch.where(valid, page_ids, 0).long()
+    qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
+    # max(q*lo, q*hi) = q+ * hi + q- * lo because lo <= hi: two matmuls, no [.., P, D] max.
+    scores = (torch.einsum("bkgd,bpkd->bkgp", qg.clamp(min=0), kmax[ids].float())
+              + torch.einsum("bkgd,bpkd->bkgp", qg.clamp(max=0), kmin[ids].float()))
+    scores = scores.amax(dim=2) if gqa_reduce == "max" else scores.sum(dim=2)
+    return torch.where(valid.unsqueeze(1), scores, float("-inf"))
+
+
+def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_pages: int = 1,
+                 recent_pages: int = 1) -> tuple[Tensor, Tensor]:
+    """Top pages per (sequence, KV head): scores [B, KVH, P], num_pages [B] ->
+    indices [B, KVH, budget_pages] int32 (logical pages, ascending), counts [B, KVH] int32.
+
+    The first `sink_pages` and the last `recent_pages` pages are always kept; with
+    num_pages <= budget_pages every page is kept (exactly full attention). counts =
+    min(num_pages, budget_pages). Entries past counts repeat the last selected page
+    (0 when there is none): always in range, but only counts says how many are real.
+    """
+    if budget_pages < max(1, sink_pages + recent_pages):
+        raise ValueError(f"budget_pages {budget_pages} < sink_pages + recent_pages")
+    n_pages = scores.shape[-1]
+    if n_pages == 0:
+        none = torch.zeros(*scores.shape[:2], budget_pages, dtype=torch.int32, device=scores.device)
+        return none, none[..., 0].contiguous()
+    pos = torch.arange(n_pages, device=scores.device)
+    limit = num_pages.view(-1, 1, 1).long().clamp(max=n_pages)
+    forced = (pos < sink_pages) | (pos >= limit - recent_pages)
+    # Any real page must outrank every padding page, even with a -inf or NaN score.
+    lowest = torch.finfo(torch.float32).min
+    ranked = scores.float().nan_to_num(nan=lowest, posinf=-lowest, neginf=lowest)
+    ranked = torch.where(forced, float("inf"), ranked)
+    ranked = torch.where(pos < limit, ranked, float("-inf"))
+    k = min(budget_pages, n_pages)
+    top = torch.topk(ranked, k, dim=-1, sorted=False).indices
+    counts = limit.view(-1, 1).clamp(max=budget_pages).expand(scores.shape[:2])
+    slot = torch.arange(k, device=scores.device)
+    # After sorting, the real picks come first; pads take the last real one.
+    keyed = torch.where(top < limit, top, n_pages)  # -inf picks are exactly the pages >= limit
+    ordered = keyed.sort(dim=-1).values
+    last = ordered.gather(-1, (counts - 1).clamp(min=0).unsqueeze(-1))
+    last = torch.where(last < n_pages, last, 0)
+    ordered = torch.where(slot < counts.unsqueeze(-1), ordered, last)
+    if k < budget_pages:
+        ordered = torch.cat([ordered, last.expand(*ordered.shape[:2], budget_pages - k)], -1)
+    return ordered.to(torch.int32), counts.to(torch.int32).contiguous()
+
+
+def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, block_size: int,
+                      page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
+    """Add every page of each sequence's newest (unfinished) block to its selection.
+
+    indices [B, KVH, P] int32 and counts [B, KVH] from `select_pages` over the pages before
+    the newest block; block_start [B] = the first token of that block. Returns indices
+    [B, KVH, P + ppb] with the block's ppb pages right after the `counts` real ones, and
+    counts + ppb. (Its pages past the context are masked by the attention's context_lens.)
+    """
+    ppb = pages_per_block(block_size, page_size)
+    batch, kv_heads, picked = indices.shape
+    pos = torch.arange(picked + ppb, device=indices.device)
+    real = counts.unsqueeze(-1).long()
+    first = (block_start.long() // page_size).view(batch, 1, 1)
+    newest = first + (pos - real).clamp(0, ppb - 1)
+    padded = torch.cat([indices, indices[..., -1:].expand(batch, kv_heads, ppb)], dim=-1).long()
+    merged = torch.where(pos < real, padded, newest)
+    return merged.to(torch.int32), (counts + ppb).to(torch.int32)
+
+
+def _selected_slots(block_tables: Tensor, page_indices: Tensor, page_counts: Tensor,
+                    context_lens: Tensor, page_size: int, block_size: int,
+                    num_blocks: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(block, in-block offset, visible) [B, KVH, Pmax * page_size] of every selected token."""
+    batch, kv_heads, max_sel = page_indices.shape
+    device = page_indices.device
+    real = torch.arange(max_sel, device=device) < page_counts.unsqueeze(-1)
+    toks = page_indices.long().unsqueeze(-1) * page_size + torch.arange(page_size, device=device)
+    visible = real.unsqueeze(-1) & (toks < context_lens.view(-1, 1, 1, 1))
+    toks = torch.where(visible, toks, 0).view(batch, -1)
+    # Table entries past a context may be garbage: clamp so the gather stays in bounds.
+    blocks = block_tables.long().gather(1, toks // block_size).clamp(0, num_blocks - 1)
+    shape = (batch, kv_heads, max_sel * page_size)
+    return blocks.view(shape), (toks % block_size).view(shape), visible.view(shape)
+
+
+def _selected_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, offs: Tensor,
+                    visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q [b, H, D] over the gathered tokens -> out [b, H, D] f32, lse [b, H]."""
+    batch, n_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    heads = torch.arange(kv_heads, device=q.device).view(1, -1, 1)
+    keys = k_cache[blocks, offs, heads].float()  # [b, KVH, N, D]
+    values = v_cache[blocks, offs, heads].float()
+    qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
+    scores = torch.matmul(qg, keys.transpose(2, 3)).mul_(scale)  # [b, KVH, G, N]
+    scores.masked_fill_(~visible.unsqueeze(2), float("-inf"))
+    probs, lse = _softmax_rows(scores)
+    out = torch.matmul(probs, values)
+    return out.reshape(batch, n_heads, head_dim), lse.reshape(batch, n_heads)
+
+
+def paged_decode_selected_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                              page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
+                              page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    """Decode attention over selected pages only -> out [B, H, D] (q.dtype), lse [B, H] f32.
+
+    q [B, H, D]; caches [num_blocks, block_size, KVH, D] (any strides); block_tables
+    [B, max_blocks] int32; page_indices [B, KVH, Pmax] int32 logical pages, the first
+    page_counts [B, KVH] of them distinct and real; context_lens [B] int32. Query head h
+    reads the pages of KV head h // (H // KVH), tokens < context_len only (the newest page
+    may be partial). Nothing visible -> out 0, lse -inf.
+    """
+    batch, n_heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads = k_cache.shape[:3]
+    pages_per_block(block_size, page_size)
+    out = torch.zeros(batch, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.full((batch, n_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    n_tokens = page_indices.shape[2] * page_size
+    if batch == 0 or n_tokens == 0:
+        return out, lse
+    slots = _selected_slots(block_tables, page_indices, page_counts, context_lens,
+                            page_size, block_size, num_blocks)
+    step = max(1, MAX_SCORE_ELEMENTS // (n_tokens * max(n_heads, 2 * kv_heads * head_dim)))
+    for b0 in range(0, batch, step):
+        rows = slice(b0, min(b0 + step, batch))
+        o, s = _selected_chunk(q[rows], k_cache, v_cache, *(x[rows] for x in slots), scale)
+        out[rows] = o.to(q.dtype)
+        lse[rows] = s
+    return out, lse
+
+
+def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
+                     dst_v: Tensor, counts: Tensor | None = None) -> None:
+    """Copy pages of a head-major pool into dense buffers (all tensors on one device).
+
+    src [num_blocks, KVH, block_size, D]; page_src [B, KVH, P] int64 physical page ids
+    (block * ppb + j); dst [B, KVH, P * page_size, D], page_size = dst.shape[2] // P.
+    Entry (b, h, p) fills dst[b, h, p*page_size:(p+1)*page_size] from KV head h of that
+    page. With counts [B, KVH], entries p >= counts are skipped (dst keeps its contents).
+    """
+    batch, kv_heads, n_sel = page_src.shape
+    page_size = dst_k.shape[2] // max(n_sel, 1)
+    ppb = pages_per_block(src_k.shape[2], page_size)
+    keep = torch.ones_like(page_src, dtype=torch.bool)
+    if counts is not None:
+        keep = torch.arange(n_sel, device=page_src.device) < counts.unsqueeze(-1)
+    ids = torch.where(keep, page_src, 0).long()
+    toks = (ids % ppb).unsqueeze(-1) * page_size + torch.arange(page_size, device=ids.device)
+    blocks = (ids // ppb).unsqueeze(-1)
+    heads = torch.arange(kv_heads, device=ids.device).view(1, -1, 1, 1)
+    keep = keep.view(batch, kv_heads, n_sel, 1, 1)
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        dst_pages = dst.unflatten(2, (n_sel, page_size))
+        dst_pages.copy_(torch.where(keep, src[blocks, heads, toks].to(dst.dtype), dst_pages))
+
+
+@functools.cache
+def _triton_quest_importable() -> bool:
+    try:
+        import astream.ops.triton_quest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def select_quest_backend(device: torch.device | str) -> str:
+    """Backend of the Quest ops for tensors on `device`: "triton" | "reference"."""
+    device = torch.device(device)
+    if device.type == "cuda" and _triton_quest_importable():
+        return "triton"
+    return "reference"
+
+
+def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num_pages: Tensor,
+                *, gqa_reduce: str = "max") -> Tensor:
+    """`page_scores_ref`'s contract; the Triton kernel on CUDA reads each bound once."""
+    if select_quest_backend(q.device) == "triton":
+        from astream.ops import triton_quest
+        return triton_quest.page_scores_triton(q, kmin, kmax, page_ids, num_pages,
+                                               gqa_reduce=gqa_reduce)
+    return page_scores_ref(q, kmin, kmax, page_ids, num_pages, gqa_reduce=gqa_reduce)
+
+
+def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                          page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
+                          page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+    """`paged_decode_selected_ref`'s contract; split-KV Triton on CUDA."""
+    args = (q, k_cache, v_cache, block_tables, page_indices, page_counts, context_lens)
+    if select_quest_backend(q.device) == "triton":
+        from astream.ops import triton_quest
+        return triton_quest.paged_decode_selected_triton(*args, page_size=page_size, scale=scale)
+    return paged_decode_selected_ref(*args, page_size=page_size, scale=scale)
+
+
+def gather_pages(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor, dst_v: Tensor,
+                 counts: Tensor | None = None) -> None:
+    """`gather_pages_ref`'s contract; on CUDA dst the Triton kernel also reads a pinned
+    host src directly (zero-copy), one page per program."""
+    if select_quest_backend(dst_k.device) == "triton":
+        from astream.ops import triton_quest
+        triton_quest.gather_pages_triton(src_k, src_v, page_src, dst_k, dst_v, counts)
+        return
+    gather_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts)

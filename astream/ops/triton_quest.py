@@ -1,0 +1,252 @@
+"""Triton kernels of the Quest ops (CUDA; also run under TRITON_INTERPRET=1).
+
+- page scores: grid (batch, kv_head, page tile); each bound is read once.
+- selected-pages decode: the split-KV decode of triton_decode over a (sequence, KV
+  head)'s selected pages instead of its whole context. Grid (batch, kv_head, split):
+  one program owns a KV head's whole query group, so each K/V tile is loaded once;
+  the split count comes from host ints only, so the launch is graph-capturable.
+- page gather: grid (page, kv_head, batch); copies one K and one V page per program
+  from a head-major pool, which on CUDA may be pinned host memory read in place.
+
+Torch references and the contracts live in astream.ops.quest.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from astream.ops.triton_decode import (
+    LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _block_n, _check_inputs, _dim_mask,
+    _finish, _launch_merge, _scores, _split_range, _token_slots, choose_num_splits,
+)
+
+SCORE_BLOCK_P = 64  # pages per score program: 2 x 64 x 128 bounds of 2 bytes = 32 KB
+
+
+@triton.jit
+def _page_scores_kernel(
+    q_ptr, kmin_ptr, kmax_ptr, ids_ptr, npages_ptr, out_ptr,
+    stride_qb, stride_qh, stride_np, stride_nh, stride_xp, stride_xh,
+    stride_ib, stride_ob, stride_oh, n_pages,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_P: tl.constexpr, USE_DOT: tl.constexpr, SUM_GROUP: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    pos = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh + dims[None, :],
+                mask=_dim_mask(rows < GROUP, dims, HEAD_DIM, D_PAD), other=0.0).to(tl.float32)
+    ids = tl.load(ids_ptr + b * stride_ib + pos, mask=pos < n_pages, other=-1)
+    ok = (pos < tl.load(npages_ptr + b)) & (ids >= 0)
+    ids = tl.where(ok, ids, 0).to(tl.int64)
+    mask = _dim_mask(ok, dims, HEAD_DIM, D_PAD)
+    lo = tl.load(kmin_ptr + ids[:, None] * stride_np + kvh * stride_nh + dims[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(kmax_ptr + ids[:, None] * stride_xp + kvh * stride_xh + dims[None, :],
+                 mask=mask, other=0.0).to(tl.float32)
+    # max(q*lo, q*hi) = q+ * hi + q- * lo since lo <= hi; ieee: scores only rank, but exactly.
+    s = (_scores(tl.maximum(q, 0.0), hi, USE_DOT, "ieee")
+         + _scores(tl.minimum(q, 0.0), lo, USE_DOT, "ieee"))  # [GROUP_PAD, BLOCK_P]
+    if SUM_GROUP:
+        s = tl.sum(tl.where((rows < GROUP)[:, None], s, 0.0), axis=0)
+    else:
+        s = tl.max(tl.where((rows < GROUP)[:, None], s, float("-inf")), axis=0)
+    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + pos, tl.where(ok, s, float("-inf")),
+             mask=pos < n_pages)
+
+
+@triton.jit
+def _selected_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, pages_ptr, counts_ptr, out_ptr, lse_ptr,
+    scale_log2, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    stride_vh, stride_tb, stride_pb, stride_ph, stride_cb, stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh, stride_ls, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    # Splits are cut in selected pages: this (b, kvh)'s count plays the context length.
+    lo, hi = _split_range(counts_ptr + b * stride_cb, kvh, split, num_splits, BLOCK_N // PAGE)
+    ctx = tl.load(lens_ptr + b)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, D_PAD)
+    heads = kvh * GROUP + rows
+    row_mask = _dim_mask(rows < GROUP, dims, HEAD_DIM, D_PAD)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask, other=0.0).to(k_ptr.dtype.element_ty)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    tables_row = tables_ptr + b * stride_tb
+    pages_row = pages_ptr + b * stride_pb + kvh * stride_ph
+    n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N // PAGE):
+        sel = start + n // PAGE
+        page = tl.load(pages_row + sel, mask=sel < hi, other=0).to(tl.int64)
+        toks = page * PAGE + n % PAGE
+        tok_ok = (sel < hi) & (toks < ctx)
+        blk, slot = _token_slots(tables_row, toks, tok_ok, BLOCK)
+        tok_mask = _dim_mask(tok_ok, dims, HEAD_DIM, D_PAD)
+        k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
+        v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
+        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
+        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
+        m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, scale_log2,
+                                     USE_DOT, PRECISION)
+    out, lse = _finish(m_i, l_i, acc)
+    o_base = out_ptr + b * stride_ob + split * stride_os
+    tl.store(o_base + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads * stride_lh, lse,
+             mask=rows < GROUP)
+
+
+@triton.jit
+def _gather_pages_kernel(
+    src_k, src_v, pages_ptr, counts_ptr, dst_k, dst_v,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_pb, stride_ph,
+    stride_cb, stride_ch, stride_db, stride_dh, stride_dt, stride_eb, stride_eh, stride_et,
+    PPB: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+):
+    sel = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)  # b * stride_db passes 2**31 on large batches
+    count = sel + 1
+    if HAS_COUNTS:
+        count = tl.load(counts_ptr + b * stride_cb + h * stride_ch)
+    page = tl.load(pages_ptr + b * stride_pb + h * stride_ph + sel).to(tl.int64)
+    toks = tl.arange(0, PAGE)
+    dims = tl.arange(0, D_PAD)
+    # A skipped entry (maybe a garbage id) is masked on both sides: no bytes move for it.
+    n_copy = tl.where(sel < count, PAGE, 0)
+    mask = _dim_mask(toks < n_copy, dims, HEAD_DIM, D_PAD)
+    src_t = ((page % PPB) * PAGE + toks)[:, None]
+    dst_t = (sel * PAGE + toks)[:, None].to(tl.int64)
+    blk = page // PPB
+    k = tl.load(src_k + blk * stride_kb + h * stride_kh + src_t * stride_kt + dims[None, :],
+                mask=mask)
+    v = tl.load(src_v + blk * stride_vb + h * stride_vh + src_t * stride_vt + dims[None, :],
+                mask=mask)
+    dst = b * stride_db + h * stride_dh + dst_t * stride_dt + dims[None, :]
+    tl.store(dst_k + dst, k, mask=mask)
+    tl.store(dst_v + b * stride_eb + h * stride_eh + dst_t * stride_et + dims[None, :], v,
+             mask=mask)
+
+
+def _group_tile(group: int, d_pad: int, use_dot: bool | None) -> tuple[bool, int]:
+    """(use_dot, padded query-group rows), as triton_decode chooses them."""
+    if use_dot is None:
+        use_dot = d_pad >= MIN_DOT_DIM
+    group_pad = triton.next_power_of_2(group)
+    return use_dot, max(group_pad, MIN_DOT_DIM) if use_dot else group_pad
+
+
+def page_scores_triton(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor,
+                       num_pages: Tensor, *, gqa_reduce: str = "max",
+                       use_dot: bool | None = None) -> Tensor:
+    """See astream.ops.quest.page_scores_ref; bounds need a contiguous head_dim."""
+    if gqa_reduce not in ("max", "sum"):
+        raise ValueError(f"gqa_reduce must be 'max' or 'sum', not {gqa_reduce!r}")
+    batch, n_heads, head_dim = q.shape
+    kv_heads, n_pages = kmin.shape[1], page_ids.shape[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    page_ids = page_ids if page_ids.stride(-1) == 1 else page_ids.contiguous()
+    out = torch.empty(batch, kv_heads, n_pages, dtype=torch.float32, device=q.device)
+    if batch == 0 or n_pages == 0:
+        return out
+    d_pad = triton.next_power_of_2(head_dim)
+    use_dot, group_pad = _group_tile(n_heads // kv_heads, d_pad, use_dot)
+    grid = (batch, kv_heads, triton.cdiv(n_pages, SCORE_BLOCK_P))
+    _page_scores_kernel[grid](
+        q, kmin, kmax, page_ids, num_pages, out, q.stride(0), q.stride(1),
+        kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1), page_ids.stride(0),
+        out.stride(0), out.stride(1), n_pages, GROUP=n_heads // kv_heads, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_P=SCORE_BLOCK_P, USE_DOT=use_dot,
+        SUM_GROUP=gqa_reduce == "sum", num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def _launch_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
+                     lens: Tensor, pages: Tensor, counts: Tensor, out: Tensor, lse: Tensor,
+                     page_size: int, scale: float, use_dot: bool | None) -> None:
+    """out [B, H, S, D] / lse [B, H, S]: one partial result per split S."""
+    batch, n_heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    d_pad = triton.next_power_of_2(head_dim)
+    use_dot, group_pad = _group_tile(n_heads // kv_heads, d_pad, use_dot)
+    block_n = max(_block_n(d_pad, k_cache.element_size(), q.device), page_size)
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    _selected_split_kernel[(batch, kv_heads, out.shape[2])](
+        q, k_cache, v_cache, tables, lens, pages, counts, out, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        tables.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        lse.stride(2), out.shape[2], GROUP=n_heads // kv_heads, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK=block_size, PAGE=page_size, BLOCK_N=block_n,
+        USE_DOT=use_dot, PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+
+
+def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                 block_tables: Tensor, page_indices: Tensor, page_counts: Tensor,
+                                 context_lens: Tensor, *, page_size: int, scale: float,
+                                 num_splits: int | None = None,
+                                 use_dot: bool | None = None) -> tuple[Tensor, Tensor]:
+    """See astream.ops.quest.paged_decode_selected_ref. page_size must be a power of two
+    dividing block_size; num_splits / use_dot override the heuristics (tests, benchmarks)."""
+    _check_inputs(q, k_cache, v_cache)
+    if page_size & (page_size - 1) or k_cache.shape[1] % page_size:
+        raise ValueError(f"page_size {page_size}: need a power of two dividing the block size")
+    batch, n_heads, head_dim = q.shape
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    # The kernel walks a row of page indices / counts with unit stride.
+    page_indices = page_indices if page_indices.stride(-1) == 1 else page_indices.contiguous()
+    page_counts = page_counts if page_counts.stride(-1) == 1 else page_counts.contiguous()
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, n_heads, dtype=torch.float32, device=q.device)
+    if batch == 0:
+        return out, lse
+    args = (q, k_cache, v_cache, block_tables, context_lens, page_indices, page_counts)
+    splits = num_splits or choose_num_splits(batch, k_cache.shape[2],
+                                             page_indices.shape[2] * page_size, q.device)
+    if splits == 1:
+        _launch_selected(*args, out.unsqueeze(2), lse.unsqueeze(2), page_size, scale, use_dot)
+        return out, lse
+    part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
+    _launch_selected(*args, part_out, part_lse, page_size, scale, use_dot)
+    _launch_merge(part_out, part_lse, out, lse)
+    return out, lse
+
+
+def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
+                        dst_v: Tensor, counts: Tensor | None = None) -> None:
+    """See astream.ops.quest.gather_pages_ref. src may be pinned host memory (mapped into
+    the device's address space); every tensor needs a contiguous head_dim."""
+    batch, kv_heads, n_sel = page_src.shape
+    if n_sel == 0 or batch == 0:
+        return
+    page_size = dst_k.shape[2] // n_sel
+    block_size, head_dim = src_k.shape[2], src_k.shape[3]
+    if page_size & (page_size - 1) or block_size % page_size:
+        raise ValueError(f"page_size {page_size}: need a power of two dividing {block_size}")
+    page_src = page_src if page_src.stride(-1) == 1 else page_src.contiguous()
+    has_counts = counts is not None
+    counts = counts if has_counts else page_src  # unread placeholder
+    _gather_pages_kernel[(n_sel, kv_heads, batch)](
+        src_k, src_v, page_src, counts, dst_k, dst_v, *src_k.stride()[:3], *src_v.stride()[:3],
+        page_src.stride(0), page_src.stride(1), counts.stride(0), counts.stride(1),
+        *dst_k.stride()[:3], *dst_v.stride()[:3], PPB=block_size // page_size, PAGE=page_size,
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), HAS_COUNTS=has_counts,
+        num_warps=NUM_WARPS,
+    )

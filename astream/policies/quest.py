@@ -1,0 +1,106 @@
+"""Quest (Tang et al., ICML 2024): query-aware selection of the KV pages a decode step reads.
+
+Per page (`page_size` tokens, inside a KV block), layer and KV head, the element-wise
+min and max of the stored keys (after RoPE) are kept on the device, updated as keys are
+written. At decode, a page's criticality for a query head is the sum over channels of
+max(q_i * min_i, q_i * max_i), an upper bound of q.k over the page; a KV head scores a
+page by the max over its query heads (`gqa_reduce="sum"` sums them instead). Each
+sequence and KV head reads its top pages within `budget_tokens`, chosen among the pages
+of its full KV blocks and always with the first (the attention sink) and the newest of
+them; the sequence's newest, unfinished block is read whole besides (it is the device
+tail with offload, so both paths read the same pages). The first `dense_layers` layers
+read everything, as in the paper. A budget that covers the context is full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from astream.ops import quest as ops
+from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
+
+
+@dataclass(slots=True, frozen=True)
+class QuestPolicy(SparsePolicy):
+    budget_tokens: int = 2048
+    page_size: int = 16
+    dense_layers: int = 2
+    sink_pages: int = 1
+    recent_pages: int = 1
+    gqa_reduce: str = "max"
+    name = "quest"
+
+    def __post_init__(self) -> None:
+        for key in ("budget_tokens", "page_size"):
+            _check(key, getattr(self, key), 1)
+        for key in ("dense_layers", "sink_pages", "recent_pages"):
+            _check(key, getattr(self, key), 0)
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"QuestPolicy page_size must be a power of two, got {self.page_size}")
+        if self.budget_tokens < self.page_size * max(1, self.sink_pages + self.recent_pages):
+            raise ValueError(f"QuestPolicy budget_tokens {self.budget_tokens} must hold at least the "
+                             f"sink and recent pages ({self.sink_pages + self.recent_pages} of "
+                             f"{self.page_size} tokens)")
+        if self.gqa_reduce not in ops.GQA_REDUCTIONS:
+            raise ValueError(f"QuestPolicy gqa_reduce must be one of {ops.GQA_REDUCTIONS}, "
+                             f"got {self.gqa_reduce!r}")
+
+    @property
+    def budget_pages(self) -> int:
+        return self.budget_tokens // self.page_size
+
+    def kv_overhead(self, num_layers: int) -> float:
+        # min and max of K per page: 2 * K / page_size = (K + V) / page_size, on sparse layers.
+        return max(0, num_layers - self.dense_layers) / max(1, num_layers) / self.page_size
+
+    def bind(self, layout: KVLayout) -> "QuestRuntime":
+        ops.pages_per_block(layout.block_size, self.page_size)          # raises if they do not fit
+        bounds = [ops.allocate_page_bounds(layout.num_blocks, layout.block_size, layout.num_kv_heads,
+                                           layout.head_dim, dtype=layout.dtype, device=layout.device,
+                                           page_size=self.page_size)
+                  if layer >= self.dense_layers else None for layer in range(layout.num_layers)]
+        counters = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
+        return QuestRuntime(self, layout, bounds, counters)
+
+
+@dataclass(slots=True)
+class QuestRuntime(PolicyRuntime):
+    policy: QuestPolicy
+    layout: KVLayout
+    bounds: list[tuple[Tensor, Tensor] | None]     # per layer (kmin, kmax), None on dense layers
+    counters: Tensor                               # [layers, 2]: pages read, (sequence, head) rows
+
+    def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
+        if self.bounds[layer] is not None:
+            kmin, kmax = self.bounds[layer]
+            ops.update_page_bounds(kmin, kmax, keys, slots, self.policy.page_size)
+
+    def selects_decode(self, layer: int, max_context: int) -> bool:
+        return self.bounds[layer] is not None and max_context > self.policy.budget_tokens
+
+    def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
+        policy = self.policy
+        kmin, kmax = self.bounds[layer]
+        max_pages = -(-query.max_context // policy.page_size)
+        page_ids, num_pages = ops.physical_page_ids(
+            query.block_tables, query.context_lens, max_pages=max_pages,
+            block_size=self.layout.block_size, page_size=policy.page_size)
+        scores = ops.page_scores(query.q, kmin, kmax, page_ids, num_pages, gqa_reduce=policy.gqa_reduce)
+        indices, counts = ops.select_pages(scores, num_pages, policy.budget_pages, policy.sink_pages,
+                                           policy.recent_pages)
+        self.counters[layer, 0] += counts.sum()
+        self.counters[layer, 1] += counts.numel()
+        return PageSelection(indices, counts, policy.page_size)
+
+    def stats(self) -> dict:
+        """Pages read per (sequence, KV head) selection, by layer (reads the device counters)."""
+        pages, rows = self.counters.cpu().unbind(1)
+        return {"quest_pages_read": pages.tolist(), "quest_selections": rows.tolist()}
+
+
+def _check(key: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"QuestPolicy {key} must be an integer >= {low}, got {value!r}")

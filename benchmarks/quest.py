@@ -1,0 +1,149 @@
+"""Quest decode speed against Full, resident and with offload, on one engine per mode.
+
+Qwen3-4B shape, random weights, bf16. For each (context, batch) case the prompts are
+prefilled once; then every budget (Full, 1K, 2K, 4K tokens) decodes the same sequences in
+turn: the engine's Quest runtime is given the budget (Full = a budget no context reaches,
+which takes the dense path) and, resident, the CUDA graphs are captured again. Steps are
+run synchronously (EngineCore.step) and timed with the device synchronized, so a step is
+its whole latency. With offload, bytes moved per step: ring loads (Full) or gathered pages.
+
+    python benchmarks/quest.py                 # GPU -> quest_speed.json
+    python benchmarks/quest.py --smoke         # CPU, tiny shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from common import percentile, save, shaped_model, smollm2  # noqa: I001
+from astream.config import EngineConfig
+from astream.core import EngineCore
+from astream.policies import QuestPolicy
+from astream.sampling import SamplingParams
+
+FULL = 1 << 40                                   # a budget no context reaches: the dense path
+PAGE_BYTES = 16 * 128 * 2 * 2                    # one KV head's page: 16 tokens x 128 x K,V x bf16
+
+
+def decode_steps(core: EngineCore, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        core.runtime.synchronize()
+        start = time.perf_counter()
+        core.step()
+        core.runtime.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def set_budget(core: EngineCore, budget: int) -> None:
+    runtime = core.runner.policy
+    runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
+    if core.runner.graphs is not None:           # graphs bake the selection in: capture again
+        with torch.inference_mode():
+            core.runner.graphs.capture()
+
+
+def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int) -> list:
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    sinks = [core.add_request(f"c{seed}-{i}", torch.randint(100, 49152, (ctx,), generator=gen).tolist(),
+                              params) for i in range(batch)]
+    start = time.perf_counter()
+    while not all(sink.tokens for sink in sinks):
+        core.step()
+    core.runtime.synchronize()
+    prefill_s = time.perf_counter() - start
+    rows = []
+    for budget in budgets:
+        set_budget(core, budget)
+        decode_steps(core, 2)                                    # warm-up (and Triton compiles)
+        before = core.stats()
+        times = decode_steps(core, steps)
+        after = core.stats()
+        rows.append(row(ctx, batch, budget, times, before, after, steps, prefill_s))
+        print(rows[-1], flush=True)
+    for i in range(batch):
+        core.abort(f"c{seed}-{i}")
+    return rows
+
+
+def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
+    loaded = after.get("offload_bytes_loaded", 0) - before.get("offload_bytes_loaded", 0)
+    pages = sum(after.get("quest_pages_read", [0])) - sum(before.get("quest_pages_read", [0]))
+    gathered = pages * PAGE_BYTES if after["offload"] else 0
+    ordered = sorted(times)
+    return {"context": ctx, "batch": batch, "budget": "full" if budget == FULL else budget,
+            "step_ms_min": round(ordered[0] * 1e3, 2),
+            "step_ms": round(percentile(times, 50) * 1e3, 2),
+            "step_ms_max": round(ordered[-1] * 1e3, 2),
+            "bytes_loaded_per_step": loaded // steps, "bytes_gathered_per_step": gathered // steps,
+            "prefill_s": round(prefill_s, 2)}
+
+
+def run_mode(config: EngineConfig, cases, budgets, steps) -> list:
+    core = EngineCore.create(config)
+    try:
+        rows = []
+        for i, (ctx, batch) in enumerate(cases):
+            rows += one_case(core, ctx, batch, budgets, steps, seed=i)
+        return rows
+    finally:
+        core.runner.graphs = None
+        core.close()
+        del core
+        gc.collect()
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--skip", default="", help="resident and/or offload")
+    args = parser.parse_args()
+    smoke = args.smoke
+    shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
+    base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
+                tokenizer=smollm2(), device="cpu" if smoke else "cuda",
+                dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
+                sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2),
+                max_num_batched_tokens=16384)
+    budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
+    resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
+    offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
+    steps = 3 if smoke else args.steps
+    results = {"shape": shape, "steps_timed": steps}
+    if "resident" not in args.skip:
+        results["resident"] = run_mode(EngineConfig(**base), resident_cases, budgets, steps)
+        save("quest_speed", results, smoke=smoke)
+    if "offload" not in args.skip:
+        block = 16 if smoke else 256
+        pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
+        cfg = EngineConfig(**{**base, "offload": True, "num_kv_blocks": pool,
+                              **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
+        results["offload"] = run_mode(cfg, offload_cases, budgets, steps)
+    save("quest_speed", results, smoke=smoke)
+    summarize(results)
+
+
+def summarize(results: dict) -> None:
+    resident = {(r["context"], r["batch"]): r["step_ms"] for r in results.get("resident", [])
+                if r["budget"] == "full"}
+    print(f"{'mode':<9}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
+          f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}")
+    for mode in ("resident", "offload"):
+        for r in results.get(mode, []):
+            ref = resident.get((r["context"], r["batch"]))
+            ratio = f"{r['step_ms'] / ref:.2f}" if ref else "-"
+            spread = f"{r['step_ms_min']}/{r['step_ms']}/{r['step_ms_max']}"
+            print(f"{mode:<9}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}{spread:>26}{ratio:>17}"
+                  f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}")
+
+
+if __name__ == "__main__":
+    main()

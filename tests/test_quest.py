@@ -1,0 +1,124 @@
+"""Quest through the engine, resident and with offload: same tokens as Full where its budget
+covers a sequence, exactly its budget of pages where it does not, every block returned."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from astream import LLM, Engine, SamplingParams
+from astream.cli import _configs, build_parser
+from astream.policies import QuestPolicy
+
+KW = dict(device="cpu", dtype="float32", kv_block_size=16, num_kv_blocks=384, max_model_len=2048)
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# About 700 tokens: long enough that a 256-token budget reads a third of it.
+LONG = " ".join(f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 97} stones."
+                for i in range(60)) + " Which box holds the most stones?"
+SHORT = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
+MODES = [pytest.param(False, id="resident"), pytest.param(True, id="offload")]
+
+
+@pytest.fixture(scope="module")
+def full_tokens():
+    with LLM(**KW) as llm:
+        return [o.token_ids for o in llm.generate([LONG, *SHORT], GREEDY)]
+
+
+def quest_llm(offload: bool, budget: int, **extra) -> LLM:
+    return LLM(**KW, offload=offload, sparse_policy=QuestPolicy(budget_tokens=budget, **extra))
+
+
+@pytest.mark.parametrize("offload", MODES)
+def test_a_budget_that_covers_a_sequence_gives_fulls_tokens(full_tokens, offload):
+    # The long prompt makes every sparse layer select; the short ones fit their budget.
+    with quest_llm(offload, budget=256) as llm:
+        outs = llm.generate([LONG, *SHORT], GREEDY)
+        assert sum(llm.stats()["quest_selections"]) > 0
+    assert [o.token_ids for o in outs[1:]] == full_tokens[1:]
+    with quest_llm(offload, budget=4096) as llm:
+        assert [o.token_ids for o in llm.generate([LONG, *SHORT], GREEDY)] == full_tokens
+
+
+def test_a_small_budget_reads_exactly_its_pages_the_same_with_and_without_offload(full_tokens):
+    results = {}
+    for offload in (False, True):
+        with quest_llm(offload, budget=128, dense_layers=2) as llm:
+            out = llm.generate([LONG], GREEDY)[0]
+            stats = llm.stats()
+        results[offload] = out.token_ids
+        pages, rows = stats["quest_pages_read"], stats["quest_selections"]
+        assert pages[:2] == rows[:2] == [0, 0]                  # dense layers
+        assert all(r > 0 and p == 8 * r for p, r in zip(pages[2:], rows[2:]))   # 128 / 16
+        assert sum(ch.isalpha() for ch in out.text) > len(out.text) // 3, out.text
+    assert results[False] == results[True]
+    assert results[False][:2] == full_tokens[0][:2]
+
+
+def test_blocks_come_back_after_preemption_prefix_hits_and_cancels_with_quest():
+    prompts = [f"Count slowly from {i} to {i + 30}:" for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with quest_llm(False, budget=32) as roomy:
+        expected = [o.token_ids for o in roomy.generate(prompts, params)]
+    small = LLM(**{**KW, "num_kv_blocks": 12, "max_model_len": 128},
+                sparse_policy=QuestPolicy(budget_tokens=32))
+    with small:
+        assert [o.token_ids for o in small.generate(prompts, params)] == expected
+        assert small.stats()["preemptions"] > 0 and small.stats()["kv_blocks_free"] == 12
+    with quest_llm(True, budget=64) as llm:
+        first = llm.generate([LONG], GREEDY)[0].token_ids
+        hits = llm.stats()["prefix_cache_hits"]
+        assert llm.generate([LONG], GREEDY)[0].token_ids == first
+        assert llm.stats()["prefix_cache_hits"] > hits
+        assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+@pytest.mark.parametrize("offload", MODES)
+@pytest.mark.anyio
+async def test_cancel_and_abort_return_every_block_with_quest(offload):
+    async with Engine(**KW, offload=offload, sparse_policy="quest", sparse_budget=64) as engine:
+        idle = engine.stats()["kv_blocks_free"]
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+        async def cut_after(n: int, request_id: str, abort: bool) -> None:
+            count = 0
+            async for _ in engine.stream(LONG, params, request_id=request_id):
+                count += 1
+                if count == n and abort:
+                    await engine.abort(request_id)
+                if count == n and not abort:
+                    break
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(cut_after, 3, "a", True)
+            group.start_soon(cut_after, 5, "b", False)
+        with anyio.fail_after(20):
+            while engine.stats()["kv_blocks_free"] != idle or engine.stats()["requests"]:
+                await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(sparse_policy="quest", sparse_budget=8), "budget_tokens"),
+    (dict(sparse_policy="nosuch"), "unknown sparse_policy 'nosuch'"),
+    (dict(sparse_policy="full", sparse_budget=1024), "takes no budget"),
+    (dict(sparse_policy=QuestPolicy(), sparse_budget=1024), "instance carries its own"),
+])
+def test_bad_policy_options_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(**KW, **kwargs)
+
+
+@pytest.mark.parametrize("bad", [dict(page_size=12), dict(budget_tokens=0), dict(gqa_reduce="mean"),
+                                 dict(dense_layers=-1)])
+def test_quest_parameters_are_checked(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        QuestPolicy(**bad)
+
+
+def test_the_cli_takes_a_policy_and_a_budget():
+    args = build_parser().parse_args(["serve", "--sparse-policy", "quest", "--sparse-budget", "2048"])
+    engine_kw, _ = _configs(args)
+    assert (engine_kw["sparse_policy"], engine_kw["sparse_budget"]) == ("quest", 2048)
+    with pytest.raises(ValueError, match="unknown sparse_policy"):
+        _configs(build_parser().parse_args(["serve", "--sparse-policy", "quets"]))

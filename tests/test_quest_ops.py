@@ -1,0 +1,444 @@
+"""CPU tests for the Quest ops (astream.ops.quest) against brute force, and their Triton
+kernels against the torch references in interpreter mode (in a subprocess)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from astream.ops import quest
+from astream.ops.attention_ref import paged_decode_attention_ref
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+INF = float("inf")
+
+
+def make_cache(ctx_lens, kv_heads, head_dim, block_size, num_blocks, seed,
+               dtype=torch.float32, head_major=False):
+    """Random caches [num_blocks, block_size, KVH, D] (a head-major storage permuted, when
+    asked: non-standard strides), shuffled block tables with garbage past each context."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, num_blocks, kv_heads, block_size, head_dim) if head_major else \
+        (2, num_blocks, block_size, kv_heads, head_dim)
+    storage = torch.randn(shape, generator=gen).to(dtype)
+    if head_major:
+        storage = storage.transpose(2, 3)
+    n_blocks = [-(-n // block_size) for n in ctx_lens]
+    tables = torch.full((len(ctx_lens), max(n_blocks) + 1), 10**6, dtype=torch.int32)
+    free = torch.randperm(num_blocks, generator=gen)
+    start = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = free[start:start + n]
+        start += n
+    return storage[0], storage[1], tables, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+# ---- page bounds -----------------------------------------------------------------------
+
+class BoundsWorld:
+    """A cache of keys plus Quest bounds, with each page's current owner's tokens tracked."""
+
+    def __init__(self, num_blocks=8, block_size=32, page=16, kvh=2, dim=8):
+        self.bs, self.page, self.kvh, self.dim = block_size, page, kvh, dim
+        self.store = torch.zeros(num_blocks * block_size, kvh, dim, dtype=torch.bfloat16)
+        self.kmin, self.kmax = quest.allocate_page_bounds(num_blocks, block_size, kvh, dim,
+                                                          dtype=torch.bfloat16, device="cpu",
+                                                          page_size=page)
+        self.filled: dict[int, int] = {}  # page -> tokens its owner has written
+        self.gen = torch.Generator().manual_seed(0)
+
+    def write(self, runs, pad_slot=None):
+        """runs: (blocks, first token, count) per sequence, all written in one call."""
+        slots = []
+        for blocks, first, count in runs:
+            for t in range(first, first + count):
+                slots.append(blocks[t // self.bs] * self.bs + t % self.bs)
+                page = slots[-1] // self.page
+                self.filled[page] = t % self.page + 1
+        live = len(slots)
+        if pad_slot is not None:  # CUDA-graph padding rows all land on one scratch slot
+            slots += [pad_slot] * 3
+        keys = torch.randn(len(slots), self.kvh, self.dim, generator=self.gen).bfloat16()
+        slots = torch.tensor(slots)
+        self.store[slots[:live]] = keys[:live]
+        quest.update_page_bounds(self.kmin, self.kmax, keys, slots, self.page)
+
+    def check(self):
+        for page, n in self.filled.items():
+            keys = self.store[page * self.page: page * self.page + n]
+            assert torch.equal(self.kmin[page], keys.amin(0)), page
+            assert torch.equal(self.kmax[page], keys.amax(0)), page
+
+
+def test_update_page_bounds_prefill_decode_reuse():
+    world = BoundsWorld()
+    a, b = [3, 1, 6], [0, 2]
+    world.write([(a, 0, 20), (b, 0, 40)])       # prefill: several tokens per page
+    world.write([(a, 20, 25)])                  # a chunk that starts mid-page
+    world.check()
+    for t in range(8):                           # decode: one token per sequence per call
+        world.write([(a, 45 + t, 1), (b, 40 + t, 1)], pad_slot=7 * 32)
+        world.check()
+    for page in [p for p in world.filled if p // 2 in a]:
+        del world.filled[page]                   # a is freed; c reuses two of its blocks
+    c = [1, 3]
+    world.write([(c, 0, 10)])
+    world.write([(c, 10, 1)])
+    world.check()
+    world.write([(c, 11, 30)])
+    world.check()
+
+
+def test_bounds_of_blocks_and_store():
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(3, 32, 2, 8, generator=gen)
+    valid = torch.tensor([32, 20, 0])
+    lo, hi = quest.bounds_of_blocks(keys, 16, valid)
+    assert lo.shape == (6, 2, 8) and lo.dtype == keys.dtype
+    for n in range(3):
+        for j in range(2):
+            part = keys[n, j * 16: min((j + 1) * 16, int(valid[n]))]
+            if len(part):
+                assert torch.equal(lo[n * 2 + j], part.amin(0))
+                assert torch.equal(hi[n * 2 + j], part.amax(0))
+            else:
+                assert torch.all(lo[n * 2 + j] == INF) and torch.all(hi[n * 2 + j] == -INF)
+    kmin, kmax = quest.allocate_page_bounds(10, 32, 2, 8, dtype=torch.bfloat16, device="cpu")
+    quest.store_block_bounds(kmin, kmax, keys[:2], torch.tensor([7, 2]), 16)
+    torch.testing.assert_close(kmin[[14, 15, 4, 5]], quest.bounds_of_blocks(keys[:2])[0].bfloat16())
+    assert torch.all(kmax[[0, 1, 16]] == -INF)
+
+
+def test_physical_page_ids():
+    tables = torch.tensor([[5, 2, 9], [4, 10**6, 10**6]], dtype=torch.int32)
+    ids, n = quest.physical_page_ids(tables, torch.tensor([50, 7], dtype=torch.int32),
+                                     max_pages=6, block_size=32, page_size=16)
+    assert n.tolist() == [4, 1] and n.dtype == torch.int32
+    assert ids.tolist() == [[10, 11, 4, 5, -1, -1], [8, -1, -1, -1, -1, -1]]
+
+
+# ---- scores and selection ------------------------------------------------------------
+
+def brute_scores(q, kmin, kmax, ids, num_pages, reduce):
+    batch, heads, _ = q.shape
+    kvh = kmin.shape[1]
+    out = torch.full((batch, kvh, ids.shape[1]), -INF, dtype=torch.float64)
+    for b in range(batch):
+        for p in range(min(int(num_pages[b]), ids.shape[1])):
+            if ids[b, p] < 0:
+                continue
+            lo, hi = kmin[ids[b, p]].double(), kmax[ids[b, p]].double()
+            for h in range(heads):
+                qh = q[b, h].double()
+                s = torch.maximum(qh * lo[h * kvh // heads], qh * hi[h * kvh // heads]).sum()
+                g = h // (heads // kvh)
+                prev = out[b, g, p]
+                first = h % (heads // kvh) == 0
+                out[b, g, p] = s if first else (max(prev, s) if reduce == "max" else prev + s)
+    return out
+
+
+def random_bounds(pages, kvh, dim, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(2, pages, kvh, dim, generator=gen)
+    return torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+
+
+@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("group", [1, 4])
+def test_page_scores_match_formula(reduce, group):
+    kmin, kmax = random_bounds(40, 2, 16, seed=group)
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 2 * group, 16, generator=gen)
+    ids = torch.randint(0, 40, (3, 9), generator=gen)
+    ids[1, 2] = -1
+    num_pages = torch.tensor([9, 5, 0], dtype=torch.int32)
+    got = quest.page_scores(q, kmin, kmax, ids, num_pages, gqa_reduce=reduce)
+    want = brute_scores(q, kmin, kmax, ids, num_pages, reduce)
+    assert got.dtype == torch.float32 and got.shape == (3, 2, 9)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        quest.page_scores(q, kmin, kmax, ids, num_pages, gqa_reduce="mean")
+
+
+def brute_select(scores, n, budget, sink, recent):
+    if n <= budget:
+        return list(range(n))
+    keep = set(range(sink)) | set(range(n - recent, n))
+    rest = sorted((p for p in range(n) if p not in keep), key=lambda p: -float(scores[p]))
+    return sorted(keep | set(rest[:budget - len(keep)]))
+
+
+@pytest.mark.parametrize("sink,recent", [(1, 1), (2, 3), (0, 1)])
+@pytest.mark.parametrize("width", [40, 6])  # 6 < budget: the padded-columns path
+def test_select_pages_matches_bruteforce(sink, recent, width):
+    gen = torch.Generator().manual_seed(sink * 10 + recent)
+    budget = 8
+    num_pages = torch.tensor([0, 1, 3, 8, 9, 37, 40], dtype=torch.int32).clamp(max=width)
+    scores = torch.randn(7, 3, width, generator=gen)
+    scores[5, 1, 4] = -INF  # a real page with a -inf score still outranks padding
+    idx, counts = quest.select_pages(scores, num_pages, budget, sink, recent)
+    assert idx.shape == (7, 3, budget) and idx.dtype == counts.dtype == torch.int32
+    for b in range(7):
+        for h in range(3):
+            want = brute_select(scores[b, h], int(num_pages[b]), budget, sink, recent)
+            c = int(counts[b, h])
+            assert c == len(want) and idx[b, h, :c].tolist() == want
+            pad = want[-1] if want else 0
+            assert idx[b, h, c:].tolist() == [pad] * (budget - c)
+
+
+def test_select_pages_edge_cases():
+    with pytest.raises(ValueError):
+        quest.select_pages(torch.zeros(1, 1, 4), torch.tensor([4]), 2, sink_pages=2)
+    idx, counts = quest.select_pages(torch.zeros(2, 3, 0), torch.tensor([0, 0]), 4)
+    assert idx.shape == (2, 3, 4) and not idx.any() and not counts.any()
+
+
+def test_planted_needle_is_selected():
+    """A key aligned with the query in a middle page wins against random keys."""
+    block, page, kvh, dim, n_pages = 32, 16, 2, 64, 64
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        keys = torch.randn(n_pages * page, kvh, dim, generator=gen)
+        q = torch.randn(1, kvh * 4, dim, generator=gen)
+        needle_page = int(torch.randint(8, 56, (1,), generator=gen))
+        head = seed % (kvh * 4)
+        keys[needle_page * page + 5, head // 4] = 3.0 * q[0, head]
+        tables = torch.randperm(n_pages // 2, generator=gen).view(1, -1).int()
+        tok = torch.arange(n_pages * page)
+        slots = tables[0, tok // block].long() * block + tok % block
+        kmin, kmax = quest.allocate_page_bounds(n_pages // 2, block, kvh, dim,
+                                                dtype=torch.bfloat16, device="cpu")
+        quest.update_page_bounds(kmin, kmax, keys.bfloat16(), slots)
+        lens = torch.tensor([n_pages * page], dtype=torch.int32)
+        ids, num = quest.physical_page_ids(tables, lens, max_pages=n_pages, block_size=block)
+        idx, counts = quest.select_pages(quest.page_scores(q, kmin, kmax, ids, num), num, 4)
+        assert needle_page in idx[0, head // 4, :int(counts[0, head // 4])].tolist()
+
+
+# ---- attention over selected pages ---------------------------------------------------
+
+def selected_case(ctx_lens, group, dim, block, page, budget, seed, dtype=torch.float32,
+                  head_major=False, kvh=2):
+    """Caches, tables and a Quest selection (random scores) with some counts cut short."""
+    k_cache, v_cache, tables, lens = make_cache(ctx_lens, kvh, dim, block, 24, seed, dtype,
+                                                head_major)
+    gen = torch.Generator().manual_seed(seed + 100)
+    q = torch.randn(len(ctx_lens), kvh * group, dim, generator=gen).to(dtype)
+    num_pages = (lens + page - 1) // page
+    scores = torch.randn(len(ctx_lens), kvh, int(num_pages.max()) + 2, generator=gen)
+    pages, counts = quest.select_pages(scores, num_pages, budget)
+    counts = counts.clone()
+    counts[-1, 0] = counts[-1, 0] // 2  # fewer than selected: the rest must be ignored
+    return q, k_cache, v_cache, tables, pages, counts, lens
+
+
+def naive_selected(q, k_cache, v_cache, tables, pages, counts, lens, page, scale):
+    """Float64 dense attention over exactly the selected pages' tokens, one head at a time."""
+    batch, heads, dim = q.shape
+    kvh, block = k_cache.shape[2], k_cache.shape[1]
+    out = torch.zeros(batch, heads, dim, dtype=torch.float64)
+    lse = torch.full((batch, heads), -INF, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            g = h // (heads // kvh)
+            toks = [p * page + t for p in pages[b, g, :int(counts[b, g])].tolist()
+                    for t in range(page) if p * page + t < int(lens[b])]
+            if not toks:
+                continue
+            blk = [int(tables[b, t // block]) for t in toks]
+            keys = torch.stack([k_cache[x, t % block, g] for x, t in zip(blk, toks)]).double()
+            vals = torch.stack([v_cache[x, t % block, g] for x, t in zip(blk, toks)]).double()
+            s = keys @ q[b, h].double() * scale
+            lse[b, h] = torch.logsumexp(s, 0)
+            out[b, h] = torch.softmax(s, 0) @ vals
+    return out, lse
+
+
+@pytest.mark.parametrize("group,head_major", [(1, False), (4, True)])
+def test_selected_reference_matches_masked_dense(group, head_major):
+    args = selected_case([0, 5, 40, 77, 130], group, 32, 32, 16, 3, seed=group,
+                         head_major=head_major)
+    out, lse = quest.paged_decode_selected(*args, page_size=16, scale=0.2)
+    want_out, want_lse = naive_selected(*args, page=16, scale=0.2)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[0] == 0) and torch.all(torch.isneginf(lse[0]))
+
+
+def test_selected_reference_all_pages_is_full_attention():
+    ctx = [1, 16, 17, 100, 64]
+    q, kc, vc, tables, _, _, lens = selected_case(ctx, 2, 64, 32, 16, 3, seed=5)
+    num_pages = (lens + 15) // 16
+    pages, counts = quest.select_pages(torch.randn(5, 2, 7), num_pages, budget_pages=7)
+    assert torch.equal(counts, num_pages.view(-1, 1).expand(5, 2).int())
+    out, lse = quest.paged_decode_selected(q, kc, vc, tables, pages, counts, lens,
+                                           page_size=16, scale=0.125)
+    ref_out, ref_lse = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=0.125,
+                                                  max_context_len=100)
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---- page gather ---------------------------------------------------------------------
+
+def gather_case(seed, batch=2, kvh=2, n_sel=5, block=32, page=16, dim=64):
+    """A head-major pool (a strided view of a bigger one), picks, counts and filled dsts."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(3, 2, 9, kvh, block, dim, generator=gen)[1]
+    page_src = torch.randint(0, 9 * block // page, (batch, kvh, n_sel), generator=gen)
+    counts = torch.randint(0, n_sel + 1, (batch, kvh), generator=gen).int()
+    counts[0, 0] = n_sel
+    page_src[1, 1, -1] = -1  # garbage past counts is never read
+    counts[1, 1] = n_sel - 1
+    dst = torch.full((2, batch, kvh, n_sel * page, dim), 7.0)
+    return pool[0], pool[1], page_src, dst[0], dst[1], counts
+
+
+def test_gather_reference_copies_selected_pages():
+    src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(0)
+    quest.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts)
+    for b, h, j in itertools.product(*map(range, page_src.shape)):
+        got = dst_k[b, h, j * 16:(j + 1) * 16], dst_v[b, h, j * 16:(j + 1) * 16]
+        if j >= counts[b, h]:
+            assert torch.all(got[0] == 7) and torch.all(got[1] == 7)
+            continue
+        blk, sub = divmod(int(page_src[b, h, j]), 2)
+        assert torch.equal(got[0], src_k[blk, h, sub * 16:(sub + 1) * 16])
+        assert torch.equal(got[1], src_v[blk, h, sub * 16:(sub + 1) * 16])
+
+
+
+def test_gathered_pages_attend_like_the_paged_cache():
+    """Offload flow: gather host pages into a dense buffer, attend it as a one-block-per-
+    sequence cache (arbitrary strides), and get the selected-pages result of the pool."""
+    gen = torch.Generator().manual_seed(3)
+    kvh, block, page, dim, n_sel = 2, 32, 16, 16, 3
+    pool = torch.randn(2, 12, kvh, block, dim, generator=gen)  # head-major, like the host pool
+    tables = torch.randperm(12, generator=gen)[:8].view(2, 4).int()
+    lens = torch.tensor([128, 96], dtype=torch.int32)  # host pages are full pages
+    q = torch.randn(2, kvh * 2, dim, generator=gen)
+    ids, num = quest.physical_page_ids(tables, lens, max_pages=8, block_size=block)
+    pages, counts = quest.select_pages(torch.randn(2, kvh, 8, generator=gen), num, n_sel)
+    counts[1, 1] = 2
+    dst = torch.zeros(2, 2, kvh, n_sel * page, dim)
+    quest.gather_pages(pool[0], pool[1], ids.gather(1, pages.long().flatten(1)).view(pages.shape),
+                       dst[0], dst[1], counts)
+    dense = dst.transpose(2, 3)  # [B, n_sel * page, KVH, D]: "block" b is sequence b's buffer
+    out, lse = quest.paged_decode_selected(
+        q, dense[0], dense[1], torch.arange(2, dtype=torch.int32).view(2, 1),
+        torch.arange(n_sel, dtype=torch.int32).expand(2, kvh, n_sel), counts,
+        torch.full((2,), n_sel * page, dtype=torch.int32), page_size=page, scale=0.25)
+    want = quest.paged_decode_selected(q, pool[0].transpose(1, 2), pool[1].transpose(1, 2),
+                                       tables, pages, counts, lens, page_size=page, scale=0.25)
+    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-5)
+
+# ---- Triton kernels vs references (interpreter on CPU) ------------------------------
+
+f32, f16 = torch.float32, torch.float16
+# (ctx lens, group, dim, block, page, budget, splits, use_dot, dtype, head_major)
+SELECTED_CASES = [
+    ([0, 5, 40, 77, 130], 1, 64, 32, 16, 3, None, None, f32, False),
+    ([0, 5, 40, 77, 130], 4, 64, 32, 16, 4, 2, None, f32, True),
+    ([33, 100], 3, 32, 16, 8, 5, 3, True, f32, False),
+    ([33, 100], 2, 32, 16, 16, 3, 1, False, f32, False),
+    ([70, 9], 2, 64, 32, 16, 3, 2, None, f16, False),
+    ([30, 19], 2, 8, 8, 4, 3, 2, None, f32, False),  # head_dim < 16: no tl.dot
+]
+
+
+def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
+    """Every Triton Quest kernel vs its reference; returns the number of cases checked."""
+    from astream.ops import triton_quest
+    n = 0
+    for i, (ctx, group, dim, block, page, budget, splits, dot, dtype, hm) in \
+            enumerate(SELECTED_CASES):
+        args = [t.to(device) for t in selected_case(ctx, group, dim, block, page, budget,
+                                                    seed=20 + i, dtype=dtype, head_major=hm)]
+        kw = dict(page_size=page, scale=dim ** -0.5)
+        out, lse = triton_quest.paged_decode_selected_triton(*args, num_splits=splits,
+                                                             use_dot=dot, **kw)
+        ref_out, ref_lse = quest.paged_decode_selected_ref(args[0].float(), *args[1:], **kw)
+        assert out.dtype == dtype and lse.dtype == f32
+        tol = tol32 if dtype == f32 else tol16
+        torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, ref_lse, atol=tol32, rtol=tol32)
+        n += 1
+    # One-token pages (kmin == kmax) score q.k, often < 0: padded query rows must not count.
+    for group, dim, reduce, point in ((1, 64, "max", False), (4, 64, "sum", True),
+                                      (2, 64, "max", True), (2, 8, "max", False)):
+        kmin, kmax = random_bounds(70, 2, dim, seed=group + dim)
+        kmax = kmin if point else kmax
+        gen = torch.Generator().manual_seed(dim)
+        q = torch.randn(3, 2 * group, dim, generator=gen)
+        ids = torch.randint(-1, 70, (3, 67), generator=gen)
+        args = [t.to(device) for t in (q, kmin, kmax, ids, torch.tensor([67, 20, 0]))]
+        got = triton_quest.page_scores_triton(*args, gqa_reduce=reduce)
+        want = quest.page_scores_ref(*args, gqa_reduce=reduce)
+        torch.testing.assert_close(got, want, atol=tol32, rtol=tol32)
+        n += 1
+    for seed, with_counts in ((0, True), (1, False)):
+        src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
+        counts = counts if with_counts else None
+        page_src = page_src.clamp(min=0)
+        want_k, want_v = dst_k.clone(), dst_v.clone()
+        quest.gather_pages_ref(src_k, src_v, page_src, want_k, want_v, counts)
+        dst_k, dst_v = dst_k.to(device), dst_v.to(device)
+        counts = counts.to(device) if with_counts else None
+        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts)
+        assert torch.equal(dst_k.cpu(), want_k) and torch.equal(dst_v.cpu(), want_v)
+        n += 1
+    return n
+
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at import
+    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
+    from test_quest_ops import check_triton_quest
+    print("cases ok", check_triton_quest("cpu", tol32=1e-4, tol16=2e-3))
+""")
+N_TRITON_CASES = len(SELECTED_CASES) + 4 + 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")
+def test_triton_quest_interpreter_matches_reference():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    # A fresh interpreter: TRITON_INTERPRET must be set before any @triton.jit runs.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(REPO_ROOT)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"cases ok {N_TRITON_CASES}" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_quest_on_gpu_matches_reference():
+    assert check_triton_quest("cuda", tol32=5e-3, tol16=5e-3) == N_TRITON_CASES
+
+
+def test_dispatch_cpu_is_reference():
+    assert quest.select_quest_backend("cpu") == "reference"
+
+
+def test_newest_block_pages_follow_the_selected_ones():
+    from astream.ops.quest import with_newest_block
+    indices = torch.tensor([[[0, 1, 3, 3], [1, 2, 2, 2]]], dtype=torch.int32)    # B=1, KVH=2
+    counts = torch.tensor([[3, 2]], dtype=torch.int32)
+    pages, total = with_newest_block(indices, counts, torch.tensor([64]), block_size=32, page_size=16)
+    assert total.tolist() == [[5, 4]]
+    assert pages[0, 0, :5].tolist() == [0, 1, 3, 4, 5]          # block 2 starts at page 4
+    assert pages[0, 1, :4].tolist() == [1, 2, 4, 5]
+    assert pages.shape == (1, 2, 6)
