@@ -147,6 +147,7 @@ def test_tokenizer_chat_template_falls_back_to_metadata(smollm_path, smollm_toke
 
     smollm_tokenizer.chat_template, template = None, smollm_tokenizer.chat_template
     try:
+        monkeypatch.setenv("ASTREAM_CACHE_DIR", "")              # convert, do not read a cache
         monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: smollm_tokenizer)
         tok = load_gguf_tokenizer(smollm_path)
         assert tok.chat_template and "<|im_start|>" in tok.chat_template

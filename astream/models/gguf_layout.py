@@ -1,8 +1,10 @@
-"""Walk a GGUF file's header ourselves, bounded by the file size, before GGUFReader sees it.
+"""Read a GGUF file's header ourselves, bounded by the file size.
 
-GGUFReader trusts every length field: a truncated file fails deep inside numpy, and a
-corrupt array count can make it loop for a very long time. This check turns both into
-a clear "truncated or corrupt" error naming the file.
+One pass over the header gives the metadata values and where each tensor lies; arrays
+(a vocabulary of 151K strings) are skipped, never decoded, so this takes milliseconds
+where gguf's per-field reader takes seconds. Every length field is checked against the
+file's end: a truncated file or a corrupt count is a clear "truncated or corrupt" error
+naming the file, never a long loop or a failure deep inside numpy.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from math import prod
 from types import MappingProxyType
 
+import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from astream.models.dequant import SUPPORTED_QUANT_TYPES
@@ -28,6 +32,37 @@ _SCALAR_SIZES = MappingProxyType(
     }
 )
 _MAX_DIMS = 4
+_FORMATS = MappingProxyType(
+    {
+        GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.BOOL: "<?",
+        GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I",
+        GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.UINT64: "<Q",
+        GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+    }
+)
+
+
+@dataclass(slots=True, frozen=True)
+class ArrayValue:
+    """A metadata array, not decoded: its item type and length."""
+
+    item_type: int                     # a GGUFValueType number
+    count: int
+
+
+@dataclass(slots=True, frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]              # GGML order: the fastest-varying dimension first
+    qtype: GGMLQuantizationType
+    offset: int                        # from the start of the file
+    nbytes: int
+
+
+@dataclass(slots=True, frozen=True)
+class GGUFHeader:
+    fields: dict                       # key -> int | float | bool | str | ArrayValue
+    tensors: tuple[TensorInfo, ...]
 
 
 class _LayoutError(Exception):
@@ -79,8 +114,28 @@ def _skip_value(cur: _Cursor, raw_type: int) -> None:
         cur.take(_SCALAR_SIZES[vtype])
 
 
-def _read_metadata_layout(cur: _Cursor) -> tuple[int, int]:
-    """Check magic, version and key/values; return (tensor_count, alignment)."""
+def _read_value(cur: _Cursor, raw_type: int):
+    """One metadata value: scalars and strings decoded, arrays skipped (their length kept)."""
+    try:
+        vtype = GGUFValueType(raw_type)
+    except ValueError:
+        raise _LayoutError(f"unknown metadata value type {raw_type} at byte {cur.pos}") from None
+    if vtype == GGUFValueType.STRING:
+        return bytes(cur.string()).decode("utf-8", errors="replace")
+    if vtype == GGUFValueType.ARRAY:
+        start = cur.pos
+        item_type, count = cur.u32(), cur.u64()
+        cur.pos = start
+        _skip_value(cur, raw_type)
+        return ArrayValue(item_type, count)
+    value = struct.unpack_from(_FORMATS[vtype], cur.buf, cur.take(_SCALAR_SIZES[vtype]))[0]
+    if vtype == GGUFValueType.FLOAT32:       # shortest float32 repr: 1e-05, not 9.99999974e-06
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _read_metadata_layout(cur: _Cursor, fields: dict | None = None) -> tuple[int, int]:
+    """Check magic, version and key/values (kept in `fields`); return (tensor_count, alignment)."""
     start = cur.take(4)
     if cur.buf[start : start + 4] != b"GGUF":
         raise _LayoutError("it does not start with the GGUF magic bytes")
@@ -92,19 +147,23 @@ def _read_metadata_layout(cur: _Cursor) -> tuple[int, int]:
     tensor_count, kv_count = cur.u64(), cur.u64()
     alignment = 32
     for _ in range(kv_count):
-        key = cur.string()
+        key = bytes(cur.string()).decode("utf-8", errors="replace")
         raw_type = cur.u32()
-        if key == b"general.alignment" and raw_type == GGUFValueType.UINT32:
-            alignment = cur.u32()
-        else:
+        if fields is None and key != "general.alignment":
             _skip_value(cur, raw_type)
+            continue
+        value = _read_value(cur, raw_type)
+        if fields is not None:
+            fields[key] = value
+        if key == "general.alignment" and raw_type == GGUFValueType.UINT32:
+            alignment = value
     if alignment <= 0 or alignment & (alignment - 1):
         raise _LayoutError(f"general.alignment {alignment} is not a power of two")
     return tensor_count, alignment
 
 
-def _check_tensor_layout(cur: _Cursor, tensor_count: int, alignment: int) -> None:
-    infos = []
+def _check_tensor_layout(cur: _Cursor, tensor_count: int, alignment: int) -> list[TensorInfo]:
+    infos, tensors = [], []
     for _ in range(tensor_count):
         name = cur.string().decode("utf-8", errors="replace")
         n_dims = cur.u32()
@@ -120,11 +179,15 @@ def _check_tensor_layout(cur: _Cursor, tensor_count: int, alignment: int) -> Non
             raise _UnknownTensorType(name, raw_type) from None
         if dims and dims[0] % block_size:
             raise _LayoutError(f"tensor {name!r} has rows that do not fill whole blocks")
-        end = data_start + offset + prod(dims) // block_size * type_size
+        nbytes = prod(dims) // block_size * type_size
+        end = data_start + offset + nbytes
         if end > len(cur.buf):
             raise _LayoutError(
                 f"tensor {name!r} ends at byte {end} but the file has only {len(cur.buf)} bytes"
             )
+        tensors.append(TensorInfo(name, tuple(dims), GGMLQuantizationType(raw_type),
+                                  data_start + offset, nbytes))
+    return tensors
 
 
 class _UnknownTensorType(Exception):
@@ -149,13 +212,24 @@ def unsupported_type_error(path: str, tensor: str, type_name: str) -> ValueError
 
 def validate_layout(path: str) -> None:
     """Raise ValueError unless every header field and tensor lies inside the file."""
+    _walk(path, None)
+
+
+def read_header(path: str) -> GGUFHeader:
+    """The metadata and tensor layout of a GGUF file, checked against its size."""
+    fields: dict = {}
+    tensors = _walk(path, fields)
+    return GGUFHeader(fields, tuple(tensors))
+
+
+def _walk(path: str, fields: dict | None) -> list[TensorInfo]:
     if os.path.getsize(path) == 0:
         raise corrupt_file_error(path, "the file is empty")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf)
         try:
-            tensor_count, alignment = _read_metadata_layout(cur)
-            _check_tensor_layout(cur, tensor_count, alignment)
+            tensor_count, alignment = _read_metadata_layout(cur, fields)
+            return _check_tensor_layout(cur, tensor_count, alignment)
         except _LayoutError as exc:
             raise corrupt_file_error(path, exc) from None
         except _UnknownTensorType as exc:

@@ -1,8 +1,9 @@
 """Loading llama / qwen2 / qwen3 checkpoints from GGUF files.
 
-The file is read through `gguf.GGUFReader` (memory-mapped); tensors are
-dequantized one at a time with torch (`astream.models.dequant`), on the device
-the caller asks for, and renamed and reshaped to the Hugging Face layout.
+The header is read by `gguf_layout.read_header` (metadata and tensor positions,
+arrays skipped); the tensor data is memory-mapped, and tensors are dequantized one
+at a time with torch (`astream.models.dequant`), on the device the caller asks for,
+and renamed and reshaped to the Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType, LlamaFileType
 
 from astream.models.dequant import SUPPORTED_QUANT_TYPES, dequantize
+from astream.models.tokenizer_cache import load_cached_tokenizer, store_cached_tokenizer
 from astream.models.gguf_layout import (
     SUPPORTED_GGUF_TENSOR_TYPES,  # noqa: F401  (part of this module's API)
+    ArrayValue,
+    GGUFHeader,
     corrupt_file_error,
+    read_header,
     unsupported_type_error,
     validate_layout,
 )
@@ -75,36 +80,17 @@ def _check_path(path: str | os.PathLike) -> str:
     return path
 
 
-def _open_reader(path: str) -> GGUFReader:
-    validate_layout(path)
-    try:
-        # Copy-on-write: numpy views are writable (torch.from_numpy needs
-        # that) while the file itself can never be modified.
-        return GGUFReader(path, "c")
-    except OSError:
-        raise
-    except Exception as exc:  # any parse failure means a malformed file
-        raise corrupt_file_error(path, exc) from exc
-
-
 # --------------------------------------------------------------------------
 # Metadata -> Hugging Face config
 # --------------------------------------------------------------------------
 
 
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    if f.types == [GGUFValueType.FLOAT32]:
-        # Shortest float32 repr: 1e-05 rather than 9.999999747378752e-06.
-        value = float(str(np.float32(value)))
-    return value
+def _field(header: GGUFHeader, key: str, default: Any = None) -> Any:
+    return header.fields.get(key, default)
 
 
-def _architecture(reader: GGUFReader, path: str) -> str:
-    arch = _field(reader, "general.architecture")
+def _architecture(header: GGUFHeader, path: str) -> str:
+    arch = _field(header, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"GGUF architecture {arch!r} in {path} is not supported; "
@@ -113,9 +99,9 @@ def _architecture(reader: GGUFReader, path: str) -> str:
     return arch
 
 
-def _rope_scaling(reader: GGUFReader, arch: str, path: str) -> dict[str, Any] | None:
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+def _rope_scaling(header: GGUFHeader, arch: str, path: str) -> dict[str, Any] | None:
+    kind = _field(header, f"{arch}.rope.scaling.type")
+    factor = _field(header, f"{arch}.rope.scaling.factor")
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         return None
     if kind != "linear":
@@ -125,8 +111,8 @@ def _rope_scaling(reader: GGUFReader, arch: str, path: str) -> dict[str, Any] | 
     return {"rope_type": "linear", "factor": float(factor)}
 
 
-def _torch_dtype_name(reader: GGUFReader) -> str:
-    file_type = _field(reader, "general.file_type")
+def _torch_dtype_name(header: GGUFHeader) -> str:
+    file_type = _field(header, "general.file_type")
     if file_type == LlamaFileType.ALL_F32:
         return "float32"
     if file_type == LlamaFileType.MOSTLY_F16:
@@ -135,38 +121,38 @@ def _torch_dtype_name(reader: GGUFReader) -> str:
     return "bfloat16"
 
 
-def _hf_config(reader: GGUFReader, arch: str, path: str) -> dict[str, Any]:
-    names = {t.name for t in reader.tensors}
+def _hf_config(header: GGUFHeader, arch: str, path: str) -> dict[str, Any]:
+    names = {t.name for t in header.tensors}
     required = ("embedding_length", "attention.head_count", "block_count")
-    missing = [f"{arch}.{k}" for k in required if f"{arch}.{k}" not in reader.fields]
+    missing = [f"{arch}.{k}" for k in required if f"{arch}.{k}" not in header.fields]
     if missing:
         raise corrupt_file_error(path, f"metadata lacks {', '.join(missing)}")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    vocab = _field(reader, f"{arch}.vocab_size")
+    hidden = _field(header, f"{arch}.embedding_length")
+    heads = _field(header, f"{arch}.attention.head_count")
+    vocab = _field(header, f"{arch}.vocab_size")
     if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
+        tokens = header.fields.get("tokenizer.ggml.tokens")
+        vocab = tokens.count if isinstance(tokens, ArrayValue) else None
     return {
         "architectures": [_HF_ARCHITECTURES[arch]],
         "model_type": arch,
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "intermediate_size": _field(header, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(header, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "num_key_value_heads": _field(header, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(header, f"{arch}.attention.key_length", hidden // heads),
         "hidden_act": "silu",
-        "rms_norm_eps": _field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": _field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(reader, arch, path),
-        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "rms_norm_eps": _field(header, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _field(header, f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(header, arch, path),
+        "max_position_embeddings": _field(header, f"{arch}.context_length"),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": any(n.endswith(".attn_q.bias") for n in names),
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
-        "torch_dtype": _torch_dtype_name(reader),
+        "bos_token_id": _field(header, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(header, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": _torch_dtype_name(header),
     }
 
 
@@ -205,9 +191,10 @@ def _rope_heads(gguf_name: str, arch: str, cfg: dict[str, Any]) -> int:
     return 0
 
 
-def _tensor_specs(reader: GGUFReader, arch: str, cfg: dict[str, Any], path: str) -> tuple[_TensorSpec, ...]:
+def _tensor_specs(header: GGUFHeader, data: np.ndarray, arch: str, cfg: dict[str, Any],
+                  path: str) -> tuple[_TensorSpec, ...]:
     specs = []
-    for t in reader.tensors:
+    for t in header.tensors:
         if t.name in _IGNORED_TENSORS:
             logger.warning("%s: ignoring %s (RoPE frequency factors are not applied)", path, t.name)
             continue
@@ -217,11 +204,11 @@ def _tensor_specs(reader: GGUFReader, arch: str, cfg: dict[str, Any], path: str)
                 f"GGUF file {path} has tensor {t.name!r}, which does not belong to a "
                 f"{arch} model as astream knows it; the file may be for another architecture"
             )
-        if t.tensor_type not in SUPPORTED_QUANT_TYPES:
-            raise unsupported_type_error(path, t.name, t.tensor_type.name)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-        specs.append(_TensorSpec(hf_name, t.tensor_type, shape, raw, _rope_heads(t.name, arch, cfg)))
+        if t.qtype not in SUPPORTED_QUANT_TYPES:
+            raise unsupported_type_error(path, t.name, t.qtype.name)
+        shape = tuple(reversed(t.dims))
+        raw = data[t.offset:t.offset + t.nbytes]
+        specs.append(_TensorSpec(hf_name, t.qtype, shape, raw, _rope_heads(t.name, arch, cfg)))
     return tuple(specs)
 
 
@@ -241,7 +228,7 @@ class GGUFCheckpoint:
     path: str
     hf_config: dict
     _specs: tuple[_TensorSpec, ...] = field(default=(), repr=False)
-    _reader: GGUFReader | None = field(default=None, repr=False)  # keeps the memory map open
+    _data: np.ndarray | None = field(default=None, repr=False)  # the memory map the specs view
 
     def tensor_names(self) -> list[str]:
         return [s.hf_name for s in self._specs]
@@ -262,18 +249,29 @@ class GGUFCheckpoint:
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Open a GGUF file, validate it, and map its metadata and tensors to HF form."""
     path = _check_path(path)
-    reader = _open_reader(path)
-    arch = _architecture(reader, path)
-    cfg = _hf_config(reader, arch, path)
-    specs = _tensor_specs(reader, arch, cfg, path)
-    return GGUFCheckpoint(path=path, hf_config=cfg, _specs=specs, _reader=reader)
+    header = read_header(path)
+    arch = _architecture(header, path)
+    cfg = _hf_config(header, arch, path)
+    # Copy-on-write: views are writable (torch.from_numpy needs that) while the file
+    # itself can never be modified.
+    data = np.memmap(path, dtype=np.uint8, mode="c")
+    specs = _tensor_specs(header, data, arch, cfg, path)
+    return GGUFCheckpoint(path=path, hf_config=cfg, _specs=specs, _data=data)
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer stored in a GGUF file, with its chat template, via transformers."""
+    """The tokenizer stored in a GGUF file, with its chat template, via transformers.
+
+    Converting it parses the file's whole vocabulary field by field (seconds for 49K
+    tokens, tens of seconds for 151K), so the result is kept in the user's cache folder
+    (see `tokenizer_cache.py`) and later loads read it from there.
+    """
     from transformers import AutoTokenizer
 
     path = _check_path(path)
+    cached = load_cached_tokenizer(path)
+    if cached is not None:
+        return cached
     p = Path(path)
     try:
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
@@ -281,7 +279,8 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         validate_layout(path)  # a malformed file gets our clear message instead
         raise
     if not tok.chat_template:
-        template = _field(_open_reader(path), "tokenizer.chat_template")
+        template = _field(read_header(path), "tokenizer.chat_template")
         if template:
             tok.chat_template = template
+    store_cached_tokenizer(path, tok)
     return tok
