@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from astream.validation import is_unicode, short_repr
+
 MAX_INT64 = 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1          # beyond any context a model has
 MAX_TOKEN_ID = 2**31 - 1              # larger than every vocabulary
@@ -46,22 +48,22 @@ class SamplingParams:
         _check(_is_number(self.top_p) and math.isfinite(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be a number in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and 0 <= self.top_k <= MAX_INT64,
-               f"top_k must be an integer >= 0 and < 2^63 (0 disables it), got {_short(self.top_k)}")
+               f"top_k must be an integer >= 0 and < 2^63 (0 disables it), got {short_repr(self.top_k)}")
         _check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
-               f"max_tokens must be an integer >= 1 and < 2^31, got {_short(self.max_tokens)}")
+               f"max_tokens must be an integer >= 1 and < 2^31, got {short_repr(self.max_tokens)}")
         _check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
-               f"seed must be null or an integer in [-2^63, 2^64), got {_short(self.seed)}")
+               f"seed must be null or an integer in [-2^63, 2^64), got {short_repr(self.seed)}")
         _check(isinstance(self.ignore_eos, bool), f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids),
-               f"stop_token_ids must be integers in [0, 2^31), got {_short(self.stop_token_ids)}")
+               f"stop_token_ids must be integers in [0, 2^31), got {short_repr(self.stop_token_ids)}")
         _check(len(self.stop) <= MAX_STOP_STRINGS,
                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
-            _check(0 < len(s) <= MAX_STOP_STRING_CHARS and _is_unicode(s),
+            _check(0 < len(s) <= MAX_STOP_STRING_CHARS and is_unicode(s),
                    f"stop strings must be non-empty valid unicode of at most {MAX_STOP_STRING_CHARS} "
-                   f"characters, got {_short(s)}")
+                   f"characters, got {short_repr(s)}")
 
     @property
     def greedy(self) -> bool:
@@ -93,23 +95,6 @@ def _is_number(x: object) -> bool:
 
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_unicode(s: str) -> bool:
-    """False for strings holding lone surrogates, which no UTF-8 text can carry."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """repr() cut to a readable length: error messages must not echo megabytes back."""
-    if _is_int(value) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check(ok: bool, message: str) -> None:

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Sequence as Seq, Union
 
+from astream.validation import is_unicode
+
 Prompt = Union[str, list[int], list[dict]]
 
 # End-of-turn markers of the supported families; a chat model stops on any it has.
@@ -83,11 +85,8 @@ def _utf8_len(text: object) -> int:
 
 
 def _check_unicode(text: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid unicode: lone surrogate at character "
-                         f"{exc.start}") from None
+    if not is_unicode(text):
+        raise ValueError(f"{what} is not valid unicode: it holds a lone surrogate")
 
 
 def prompt_to_ids(tokenizer, prompt: Prompt, vocab_size: int) -> list[int]:

@@ -95,6 +95,29 @@ def _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, scale_log2,
 
 
 @triton.jit
+def _load_kv(k_ptr, v_ptr, blk, slot, kvh, dims, tok_mask, stride_kb, stride_kt, stride_kh,
+             stride_vb, stride_vt, stride_vh):
+    """K and V tiles [N, D_PAD] of one KV head at physical (block, slot) positions."""
+    k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
+    v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
+    k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
+    v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _store_split(out_ptr, lse_ptr, out, lse, b, split, heads, rows, dims, row_mask,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
+                 GROUP: tl.constexpr):
+    """One split's (out, lse) of a query-head group."""
+    o_base = out_ptr + b * stride_ob + split * stride_os
+    tl.store(o_base + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads * stride_lh, lse,
+             mask=rows < GROUP)
+
+
+@triton.jit
 def _finish(m_i, l_i, acc):
     """(out, natural-log lse); a split that saw no key gives (0, -inf), never NaN."""
     has_keys = l_i > 0.0
@@ -131,18 +154,13 @@ def _decode_split_kernel(
         tok_ok = toks < hi
         tok_mask = _dim_mask(tok_ok, dims, HEAD_DIM, D_PAD)
         blk, slot = _token_slots(tables_row, toks, tok_ok, PAGE)
-        k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
-        v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, blk, slot, kvh, dims, tok_mask, stride_kb, stride_kt,
+                        stride_kh, stride_vb, stride_vt, stride_vh)
         m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, scale_log2,
                                      USE_DOT, PRECISION)
     out, lse = _finish(m_i, l_i, acc)
-    o_base = out_ptr + b * stride_ob + split * stride_os
-    tl.store(o_base + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads * stride_lh, lse,
-             mask=rows < GROUP)
+    _store_split(out_ptr, lse_ptr, out, lse, b, split, heads, rows, dims, row_mask,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, GROUP)
 
 
 @triton.jit

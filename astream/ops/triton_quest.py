@@ -20,7 +20,8 @@ from torch import Tensor
 
 from astream.ops.triton_decode import (
     LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _block_n, _check_inputs, _dim_mask,
-    _finish, _launch_merge, _scores, _split_range, _token_slots, choose_num_splits,
+    _finish, _launch_merge, _load_kv, _scores, _split_range, _store_split, _token_slots,
+    choose_num_splits,
 )
 
 SCORE_BLOCK_P = 64  # pages per score program: 2 x 64 x 128 bounds of 2 bytes = 32 KB
@@ -95,18 +96,13 @@ def _selected_split_kernel(
         tok_ok = (sel < hi) & (toks < ctx)
         blk, slot = _token_slots(tables_row, toks, tok_ok, BLOCK)
         tok_mask = _dim_mask(tok_ok, dims, HEAD_DIM, D_PAD)
-        k_off = blk * stride_kb + slot * stride_kt + kvh * stride_kh
-        v_off = blk * stride_vb + slot * stride_vt + kvh * stride_vh
-        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
-        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=tok_mask, other=0.0)
+        k, v = _load_kv(k_ptr, v_ptr, blk, slot, kvh, dims, tok_mask, stride_kb, stride_kt,
+                        stride_kh, stride_vb, stride_vt, stride_vh)
         m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, scale_log2,
                                      USE_DOT, PRECISION)
     out, lse = _finish(m_i, l_i, acc)
-    o_base = out_ptr + b * stride_ob + split * stride_os
-    tl.store(o_base + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_mask)
-    tl.store(lse_ptr + b * stride_lb + split * stride_ls + heads * stride_lh, lse,
-             mask=rows < GROUP)
+    _store_split(out_ptr, lse_ptr, out, lse, b, split, heads, rows, dims, row_mask,
+                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, GROUP)
 
 
 @triton.jit

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from astream.outputs import StreamToken
 from astream.sampling import SamplingParams
 from astream.tokenization import Prompt
+from astream.validation import is_unicode, short_repr
 
 PROTOCOL_VERSION = "astream-ws/1"
 MAX_ID_CHARS = 256
@@ -77,7 +78,7 @@ def parse_frame(message: str | bytes, max_tokens_cap: int) -> Generate | Cancel:
         request_id = _request_id(frame)
         _reject_unknown_fields(frame, _CANCEL_FIELDS, request_id)
         return Cancel(request_id)
-    raise FrameError(UNKNOWN_TYPE, f"unknown frame type {_short(kind)}; expected 'generate' or "
+    raise FrameError(UNKNOWN_TYPE, f"unknown frame type {short_repr(kind)}; expected 'generate' or "
                      "'cancel'", _loose_id(frame))
 
 
@@ -140,13 +141,13 @@ def _loose_id(frame: dict) -> str | None:
 
 def _is_id(value: object) -> bool:
     # A lone surrogate cannot be written back in UTF-8: such an id could never be answered.
-    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and _is_unicode(value)
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS and is_unicode(value)
 
 
 def _reject_unknown_fields(frame: dict, known: frozenset, request_id: str) -> None:
     unknown = sorted(set(frame) - known)
     if unknown:
-        raise FrameError(UNKNOWN_FIELD, f"unknown field(s) {_short(unknown)} in a {frame['type']!r} "
+        raise FrameError(UNKNOWN_FIELD, f"unknown field(s) {short_repr(unknown)} in a {frame['type']!r} "
                          f"frame; known: {sorted(known)}", request_id)
 
 
@@ -174,17 +175,9 @@ def _messages(value: object, request_id: str) -> list[dict]:
 
 
 def _check_text(value: str, name: str, request_id: str) -> None:
-    if not _is_unicode(value):
+    if not is_unicode(value):
         raise FrameError(INVALID_PROMPT, f"{name} is not valid unicode (it holds a lone surrogate)",
                          request_id)
-
-
-def _is_unicode(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingParams:
@@ -193,14 +186,14 @@ def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingPara
     known = {f.name for f in fields(SamplingParams)}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise FrameError(UNKNOWN_PARAM, f"unknown param(s) {_short(unknown)}; known: "
+        raise FrameError(UNKNOWN_PARAM, f"unknown param(s) {short_repr(unknown)}; known: "
                          f"{sorted(known)}", request_id)
     for name, item in value.items():
         _check_param_type(name, item, request_id)
     params = dict(value)
     max_tokens = params.setdefault("max_tokens", min(_DEFAULT_MAX_TOKENS, max_tokens_cap))
     if max_tokens > max_tokens_cap:
-        raise FrameError(MAX_TOKENS_CAP, f"max_tokens {_short(max_tokens)} is above this server's "
+        raise FrameError(MAX_TOKENS_CAP, f"max_tokens {short_repr(max_tokens)} is above this server's "
                          f"cap of {max_tokens_cap}", request_id)
     try:
         return SamplingParams.from_dict(params)
@@ -232,14 +225,6 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, _NUMBER) and not isinstance(value, bool)
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """repr() cut short: an error frame must not echo a megabyte back."""
-    if _is_int(value) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _json_type(value: object) -> str:
