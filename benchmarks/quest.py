@@ -105,17 +105,23 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip", default="", help="resident and/or offload")
+    parser.add_argument("--cases", default="", help="only these CTXxBATCH cases, e.g. 131072x1")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
     args = parser.parse_args()
     smoke = args.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
-                tokenizer=smollm2(), device="cpu" if smoke else "cuda",
+                tokenizer=args.tokenizer or smollm2(), device="cpu" if smoke else "cuda",
                 dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2),
                 max_num_batched_tokens=16384)
     budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
+    if args.cases:
+        wanted = {tuple(map(int, case.split("x"))) for case in args.cases.split(",")}
+        resident_cases = [case for case in resident_cases if case in wanted]
+        offload_cases = [case for case in offload_cases if case in wanted]
     steps = 3 if smoke else args.steps
     results = {"shape": shape, "steps_timed": steps}
     if "resident" not in args.skip:

@@ -3,21 +3,17 @@ LSE merging, the Triton decode kernel (interpreter mode, in a subprocess) and di
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted_check
 
 from astream.ops import attention_ref, flash
 from astream.ops.attention import (
     VarlenMeta,
     merge_attention,
+    merge_into_rows_ref,
     paged_decode_attention,
     select_backend,
     select_decode_backend,
@@ -25,7 +21,6 @@ from astream.ops.attention import (
     varlen_backend_for,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 KV_HEADS = 2
 
 
@@ -255,35 +250,54 @@ def check_triton_cases(device: str, tol_f32: float, tol_f16: float) -> int:
         assert out.dtype == dtype and lse.dtype == f32
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse, ref_lse, atol=tol_f32, rtol=tol_f32)
-    return len(TRITON_CASES)
+    return len(TRITON_CASES) + check_triton_merge(device, tol_f16)
 
 
-TRITON_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at import
-    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    from test_ops import check_triton_cases
-    print("cases ok", check_triton_cases("cpu", tol_f32=1e-4, tol_f16=2e-3))
-""")
+def merge_case(seed: int, dtype: torch.dtype, dim: int = 64):
+    """Partial results of 6 rows and of 3 of them, with empty sides (lse -inf) on both."""
+    gen = torch.Generator().manual_seed(seed)
+    out = torch.randn(6, 4, dim, generator=gen).to(dtype)
+    lse = torch.randn(6, 4, generator=gen) * 3
+    part_out = torch.randn(3, 4, dim, generator=gen).to(dtype)
+    part_lse = torch.randn(3, 4, generator=gen) * 3
+    lse[1, 0] = part_lse[0, 1] = lse[4, 2] = -math.inf
+    part_lse[2, 2] = -math.inf                      # row 4, head 2: both sides empty
+    return out, lse, torch.tensor([1, 5, 4]), part_out, part_lse
+
+
+def check_triton_merge(device: str, tol: float) -> int:
+    from astream.ops.triton_merge import merge_into_rows_triton
+    for seed, dtype, dim in ((0, torch.float32, 64), (1, torch.float16, 48)):
+        args = [t.to(device) for t in merge_case(seed, dtype, dim)]
+        want = merge_into_rows_ref(*(t.clone() for t in args))
+        got = merge_into_rows_triton(*args)
+        assert got[0] is args[0]                     # in place
+        torch.testing.assert_close(got[0].float(), want[0].float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    return 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
 def test_triton_decode_interpreter_matches_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    # A fresh interpreter: TRITON_INTERPRET must be set before any @triton.jit runs,
-    # which other tests in this process may already have triggered.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(REPO_ROOT)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"cases ok {len(TRITON_CASES)}" in proc.stdout, proc.stdout
+    assert run_interpreted_check("test_ops", "check_triton_cases", 1e-4, 2e-3) == len(TRITON_CASES) + 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_decode_on_gpu_matches_reference():
     # Compiled kernels may use TF32 dots on float32 inputs: looser than the interpreter.
-    assert check_triton_cases("cuda", tol_f32=5e-3, tol_f16=5e-3) == len(TRITON_CASES)
+    assert check_triton_cases("cuda", tol_f32=5e-3, tol_f16=5e-3) == len(TRITON_CASES) + 1
+
+
+def test_merge_into_rows_reference_merges_only_those_rows():
+    out, lse, rows, part_out, part_lse = merge_case(2, torch.float32)
+    got_out, got_lse = merge_into_rows_ref(out, lse, rows, part_out, part_lse)
+    for i, row in enumerate(rows.tolist()):
+        want = merge_attention(out[row], lse[row], part_out[i], part_lse[i])
+        torch.testing.assert_close(got_out[row], want[0])
+        torch.testing.assert_close(got_lse[row], want[1])
+    untouched = [r for r in range(6) if r not in rows.tolist()]
+    assert torch.equal(got_out[untouched], out[untouched])
+    assert torch.isneginf(got_lse[4, 2]) and torch.all(got_out[4, 2] == 0)
 
 
 def test_num_splits_rule():

@@ -3,21 +3,16 @@ kernels against the torch references in interpreter mode (in a subprocess)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted_check
 
 from astream.ops import quest
 from astream.ops.attention_ref import paged_decode_attention_ref
+from astream.ops.quest_select import physical_page_ids, select_pages
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 INF = float("inf")
 
 
@@ -117,114 +112,6 @@ def test_bounds_of_blocks_and_store():
     assert torch.all(kmax[[0, 1, 16]] == -INF)
 
 
-def test_physical_page_ids():
-    tables = torch.tensor([[5, 2, 9], [4, 10**6, 10**6]], dtype=torch.int32)
-    ids, n = quest.physical_page_ids(tables, torch.tensor([50, 7], dtype=torch.int32),
-                                     max_pages=6, block_size=32, page_size=16)
-    assert n.tolist() == [4, 1] and n.dtype == torch.int32
-    assert ids.tolist() == [[10, 11, 4, 5, -1, -1], [8, -1, -1, -1, -1, -1]]
-
-
-# ---- scores and selection ------------------------------------------------------------
-
-def brute_scores(q, kmin, kmax, ids, num_pages, reduce):
-    batch, heads, _ = q.shape
-    kvh = kmin.shape[1]
-    out = torch.full((batch, kvh, ids.shape[1]), -INF, dtype=torch.float64)
-    for b in range(batch):
-        for p in range(min(int(num_pages[b]), ids.shape[1])):
-            if ids[b, p] < 0:
-                continue
-            lo, hi = kmin[ids[b, p]].double(), kmax[ids[b, p]].double()
-            for h in range(heads):
-                qh = q[b, h].double()
-                s = torch.maximum(qh * lo[h * kvh // heads], qh * hi[h * kvh // heads]).sum()
-                g = h // (heads // kvh)
-                prev = out[b, g, p]
-                first = h % (heads // kvh) == 0
-                out[b, g, p] = s if first else (max(prev, s) if reduce == "max" else prev + s)
-    return out
-
-
-def random_bounds(pages, kvh, dim, seed, dtype=torch.bfloat16):
-    gen = torch.Generator().manual_seed(seed)
-    a, b = torch.randn(2, pages, kvh, dim, generator=gen)
-    return torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
-
-
-@pytest.mark.parametrize("reduce", ["max", "sum"])
-@pytest.mark.parametrize("group", [1, 4])
-def test_page_scores_match_formula(reduce, group):
-    kmin, kmax = random_bounds(40, 2, 16, seed=group)
-    gen = torch.Generator().manual_seed(7)
-    q = torch.randn(3, 2 * group, 16, generator=gen)
-    ids = torch.randint(0, 40, (3, 9), generator=gen)
-    ids[1, 2] = -1
-    num_pages = torch.tensor([9, 5, 0], dtype=torch.int32)
-    got = quest.page_scores(q, kmin, kmax, ids, num_pages, gqa_reduce=reduce)
-    want = brute_scores(q, kmin, kmax, ids, num_pages, reduce)
-    assert got.dtype == torch.float32 and got.shape == (3, 2, 9)
-    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError):
-        quest.page_scores(q, kmin, kmax, ids, num_pages, gqa_reduce="mean")
-
-
-def brute_select(scores, n, budget, sink, recent):
-    if n <= budget:
-        return list(range(n))
-    keep = set(range(sink)) | set(range(n - recent, n))
-    rest = sorted((p for p in range(n) if p not in keep), key=lambda p: -float(scores[p]))
-    return sorted(keep | set(rest[:budget - len(keep)]))
-
-
-@pytest.mark.parametrize("sink,recent", [(1, 1), (2, 3), (0, 1)])
-@pytest.mark.parametrize("width", [40, 6])  # 6 < budget: the padded-columns path
-def test_select_pages_matches_bruteforce(sink, recent, width):
-    gen = torch.Generator().manual_seed(sink * 10 + recent)
-    budget = 8
-    num_pages = torch.tensor([0, 1, 3, 8, 9, 37, 40], dtype=torch.int32).clamp(max=width)
-    scores = torch.randn(7, 3, width, generator=gen)
-    scores[5, 1, 4] = -INF  # a real page with a -inf score still outranks padding
-    idx, counts = quest.select_pages(scores, num_pages, budget, sink, recent)
-    assert idx.shape == (7, 3, budget) and idx.dtype == counts.dtype == torch.int32
-    for b in range(7):
-        for h in range(3):
-            want = brute_select(scores[b, h], int(num_pages[b]), budget, sink, recent)
-            c = int(counts[b, h])
-            assert c == len(want) and idx[b, h, :c].tolist() == want
-            pad = want[-1] if want else 0
-            assert idx[b, h, c:].tolist() == [pad] * (budget - c)
-
-
-def test_select_pages_edge_cases():
-    with pytest.raises(ValueError):
-        quest.select_pages(torch.zeros(1, 1, 4), torch.tensor([4]), 2, sink_pages=2)
-    idx, counts = quest.select_pages(torch.zeros(2, 3, 0), torch.tensor([0, 0]), 4)
-    assert idx.shape == (2, 3, 4) and not idx.any() and not counts.any()
-
-
-def test_planted_needle_is_selected():
-    """A key aligned with the query in a middle page wins against random keys."""
-    block, page, kvh, dim, n_pages = 32, 16, 2, 64, 64
-    for seed in range(4):
-        gen = torch.Generator().manual_seed(seed)
-        keys = torch.randn(n_pages * page, kvh, dim, generator=gen)
-        q = torch.randn(1, kvh * 4, dim, generator=gen)
-        needle_page = int(torch.randint(8, 56, (1,), generator=gen))
-        head = seed % (kvh * 4)
-        keys[needle_page * page + 5, head // 4] = 3.0 * q[0, head]
-        tables = torch.randperm(n_pages // 2, generator=gen).view(1, -1).int()
-        tok = torch.arange(n_pages * page)
-        slots = tables[0, tok // block].long() * block + tok % block
-        kmin, kmax = quest.allocate_page_bounds(n_pages // 2, block, kvh, dim,
-                                                dtype=torch.bfloat16, device="cpu")
-        quest.update_page_bounds(kmin, kmax, keys.bfloat16(), slots)
-        lens = torch.tensor([n_pages * page], dtype=torch.int32)
-        ids, num = quest.physical_page_ids(tables, lens, max_pages=n_pages, block_size=block)
-        idx, counts = quest.select_pages(quest.page_scores(q, kmin, kmax, ids, num), num, 4)
-        assert needle_page in idx[0, head // 4, :int(counts[0, head // 4])].tolist()
-
-
 # ---- attention over selected pages ---------------------------------------------------
 
 def selected_case(ctx_lens, group, dim, block, page, budget, seed, dtype=torch.float32,
@@ -236,7 +123,7 @@ def selected_case(ctx_lens, group, dim, block, page, budget, seed, dtype=torch.f
     q = torch.randn(len(ctx_lens), kvh * group, dim, generator=gen).to(dtype)
     num_pages = (lens + page - 1) // page
     scores = torch.randn(len(ctx_lens), kvh, int(num_pages.max()) + 2, generator=gen)
-    pages, counts = quest.select_pages(scores, num_pages, budget)
+    pages, counts = select_pages(scores, num_pages, budget)
     counts = counts.clone()
     counts[-1, 0] = counts[-1, 0] // 2  # fewer than selected: the rest must be ignored
     return q, k_cache, v_cache, tables, pages, counts, lens
@@ -280,7 +167,7 @@ def test_selected_reference_all_pages_is_full_attention():
     ctx = [1, 16, 17, 100, 64]
     q, kc, vc, tables, _, _, lens = selected_case(ctx, 2, 64, 32, 16, 3, seed=5)
     num_pages = (lens + 15) // 16
-    pages, counts = quest.select_pages(torch.randn(5, 2, 7), num_pages, budget_pages=7)
+    pages, counts = select_pages(torch.randn(5, 2, 7), num_pages, budget_pages=7)
     assert torch.equal(counts, num_pages.view(-1, 1).expand(5, 2).int())
     out, lse = quest.paged_decode_selected(q, kc, vc, tables, pages, counts, lens,
                                            page_size=16, scale=0.125)
@@ -328,8 +215,8 @@ def test_gathered_pages_attend_like_the_paged_cache():
     tables = torch.randperm(12, generator=gen)[:8].view(2, 4).int()
     lens = torch.tensor([128, 96], dtype=torch.int32)  # host pages are full pages
     q = torch.randn(2, kvh * 2, dim, generator=gen)
-    ids, num = quest.physical_page_ids(tables, lens, max_pages=8, block_size=block)
-    pages, counts = quest.select_pages(torch.randn(2, kvh, 8, generator=gen), num, n_sel)
+    ids, num = physical_page_ids(tables, lens, max_pages=8, block_size=block)
+    pages, counts = select_pages(torch.randn(2, kvh, 8, generator=gen), num, n_sel)
     counts[1, 1] = 2
     dst = torch.zeros(2, 2, kvh, n_sel * page, dim)
     quest.gather_pages(pool[0], pool[1], ids.gather(1, pages.long().flatten(1)).view(pages.shape),
@@ -375,19 +262,6 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse, ref_lse, atol=tol32, rtol=tol32)
         n += 1
-    # One-token pages (kmin == kmax) score q.k, often < 0: padded query rows must not count.
-    for group, dim, reduce, point in ((1, 64, "max", False), (4, 64, "sum", True),
-                                      (2, 64, "max", True), (2, 8, "max", False)):
-        kmin, kmax = random_bounds(70, 2, dim, seed=group + dim)
-        kmax = kmin if point else kmax
-        gen = torch.Generator().manual_seed(dim)
-        q = torch.randn(3, 2 * group, dim, generator=gen)
-        ids = torch.randint(-1, 70, (3, 67), generator=gen)
-        args = [t.to(device) for t in (q, kmin, kmax, ids, torch.tensor([67, 20, 0]))]
-        got = triton_quest.page_scores_triton(*args, gqa_reduce=reduce)
-        want = quest.page_scores_ref(*args, gqa_reduce=reduce)
-        torch.testing.assert_close(got, want, atol=tol32, rtol=tol32)
-        n += 1
     for seed, with_counts in ((0, True), (1, False)):
         src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
         counts = counts if with_counts else None
@@ -404,26 +278,12 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
     return n
 
 
-TRITON_SCRIPT = textwrap.dedent("""
-    import os, sys
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit runs, i.e. at import
-    sys.path[:0] = [sys.argv[1], os.path.join(sys.argv[1], "tests")]
-    from test_quest_ops import check_triton_quest
-    print("cases ok", check_triton_quest("cpu", tol32=1e-4, tol16=2e-3))
-""")
-N_TRITON_CASES = len(SELECTED_CASES) + 4 + 2
+N_TRITON_CASES = len(SELECTED_CASES) + 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")
 def test_triton_quest_interpreter_matches_reference():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    # A fresh interpreter: TRITON_INTERPRET must be set before any @triton.jit runs.
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(REPO_ROOT)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"cases ok {N_TRITON_CASES}" in proc.stdout, proc.stdout
+    assert run_interpreted_check("test_quest_ops", "check_triton_quest", 1e-4, 2e-3) == N_TRITON_CASES
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -433,14 +293,3 @@ def test_triton_quest_on_gpu_matches_reference():
 
 def test_dispatch_cpu_is_reference():
     assert quest.select_quest_backend("cpu") == "reference"
-
-
-def test_newest_block_pages_follow_the_selected_ones():
-    from astream.ops.quest import with_newest_block
-    indices = torch.tensor([[[0, 1, 3, 3], [1, 2, 2, 2]]], dtype=torch.int32)    # B=1, KVH=2
-    counts = torch.tensor([[3, 2]], dtype=torch.int32)
-    pages, total = with_newest_block(indices, counts, torch.tensor([64]), block_size=32, page_size=16)
-    assert total.tolist() == [[5, 4]]
-    assert pages[0, 0, :5].tolist() == [0, 1, 3, 4, 5]          # block 2 starts at page 4
-    assert pages[0, 1, :4].tolist() == [1, 2, 4, 5]
-    assert pages.shape == (1, 2, 6)

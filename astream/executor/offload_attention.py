@@ -19,7 +19,6 @@ import torch
 from astream.executor.offload_plan import JobTemplate, OffloadStepPlan
 from astream.executor.paged_attention import prefill_attention
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
-from astream.ops.attention import merge_attention
 from astream.ops.backends import AttentionBackends
 from astream.policies import DecodeQuery, PolicyRuntime
 
@@ -42,6 +41,7 @@ class OffloadAttention:
     backends: AttentionBackends
     policy: PolicyRuntime
     scale: float
+    gathered_view: tuple[torch.Tensor, ...] | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.engine.write_layer(layer, k, v, self.plan.new_kv)
@@ -75,21 +75,17 @@ class OffloadAttention:
         """Decode rows over the host pages the policy chooses, gathered straight from the pool."""
         context = self.plan.decode_context
         q_dec = q.index_select(0, context.rows)
-        chosen = self.policy.select_decode(layer, DecodeQuery(q_dec, context.block_tables,
-                                                              context.context_lens, context.max_context))
-        pages_per_block = self.engine.block_size // chosen.page_size
+        chosen = self.policy.select_decode(layer, DecodeQuery(
+            q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
         rows, heads, picked = chosen.indices.shape
-        blocks = context.block_tables.long().gather(1, (chosen.indices.long() // pages_per_block).view(rows, -1))
-        page_src = blocks.view(rows, heads, picked) * pages_per_block + chosen.indices % pages_per_block
-        dk, dv = self.engine.gather_pages(layer, page_src, chosen.counts, chosen.page_size)
-        # The gathered pages are a cache of one "block" per row, read through its page list.
-        own_block = torch.arange(rows, dtype=torch.int32, device=q.device).view(rows, 1)
-        page_list = torch.arange(picked, dtype=torch.int32, device=q.device).expand(rows, heads, picked)
-        every_token = torch.full((rows,), picked * chosen.page_size, dtype=torch.int32, device=q.device)
+        dk, dv = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
+        if self.gathered_view is None:          # the same shapes on every sparse layer of a step
+            self.gathered_view = _gathered_view(rows, heads, picked, chosen.page_size, q.device)
+        own_block, page_list, every_token = self.gathered_view
         part = self.backends.paged_decode_selected(
             q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
             every_token, page_size=chosen.page_size, scale=self.scale)
-        return _merge_rows(out, lse, context.rows, part)
+        return self.backends.merge_into_rows(out, lse, context.rows, *part)
 
     def _over_slot(self, layer: int, slot: RingSlot, job: JobTemplate, q, out,
                    lse) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,16 +95,21 @@ class OffloadAttention:
                 self.policy, self.backends, layer, q.index_select(0, job.prefill_index),
                 slot.k_tokens[:keys].flatten(0, 1), slot.v_tokens[:keys].flatten(0, 1),
                 job.prefill_meta, causal=False, scale=self.scale)
-            out, lse = _merge_rows(out, lse, job.prefill_index, part)
+            out, lse = self.backends.merge_into_rows(out, lse, job.prefill_index, *part)
         if job.decode_index is not None:
             part = self.backends.paged_decode(
                 q.index_select(0, job.decode_index), slot.k_tokens, slot.v_tokens,
                 job.decode_table_tensor, job.decode_lens, scale=self.scale, max_context_len=job.decode_max)
-            out, lse = _merge_rows(out, lse, job.decode_index, part)
+            out, lse = self.backends.merge_into_rows(out, lse, job.decode_index, *part)
         return out, lse
 
 
-def _merge_rows(out, lse, rows, part) -> tuple[torch.Tensor, torch.Tensor]:
-    merged_out, merged_lse = merge_attention(out.index_select(0, rows), lse.index_select(0, rows),
-                                             part[0], part[1])
-    return out.index_copy(0, rows, merged_out), lse.index_copy(0, rows, merged_lse)
+def _gathered_view(rows: int, heads: int, picked: int, page_size: int,
+                   device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Gathered pages as a cache of one "block" per row, read through its own page list:
+    (block table, page lists, context lengths)."""
+    own_block = torch.arange(rows, dtype=torch.int32, device=device).view(rows, 1)
+    page_list = torch.arange(picked, dtype=torch.int32, device=device).expand(rows, heads, picked)
+    every_token = torch.full((rows,), picked * page_size, dtype=torch.int32, device=device)
+    return own_block, page_list, every_token
+

@@ -14,7 +14,6 @@ import torch
 from astream.executor.inputs import AttentionMetadata
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.ops.backends import AttentionBackends
-from astream.ops.quest import with_newest_block
 from astream.ops.varlen import VarlenMeta
 from astream.policies import DecodeQuery, PolicyRuntime
 
@@ -28,6 +27,7 @@ class PagedAttention:
     backends: AttentionBackends
     policy: PolicyRuntime
     scale: float
+    full_block_lens: torch.Tensor | None = None     # decode tokens in full blocks (Quest picks there)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
@@ -56,12 +56,14 @@ class PagedAttention:
         if self.policy.selects_decode(layer, meta.decode_max_context):
             # Pages are chosen among full blocks; the newest block is read whole, as the
             # device tail is with offload, so both paths read the same pages.
-            bs = cache.block_size
-            full = ((lens.long() - 1).clamp(min=0) // bs * bs).to(torch.int32)
-            chosen = self.policy.select_decode(layer, DecodeQuery(q, tables, full, meta.decode_max_context))
-            pages, counts = with_newest_block(chosen.indices, chosen.counts, full, bs, chosen.page_size)
+            if self.full_block_lens is None:       # once a step, not once a layer
+                bs = cache.block_size
+                self.full_block_lens = ((lens.long() - 1).clamp(min=0) // bs * bs).to(torch.int32)
+            full = self.full_block_lens
+            chosen = self.policy.select_decode(
+                layer, DecodeQuery(q, tables, full, meta.decode_max_context, append_newest=True))
             out, _ = self.backends.paged_decode_selected(
-                q, cache.k[layer], cache.v[layer], tables, pages, counts, lens,
+                q, cache.k[layer], cache.v[layer], tables, chosen.indices, chosen.counts, lens,
                 page_size=chosen.page_size, scale=self.scale)
             return out
         out, _ = self.backends.paged_decode(q, cache.k[layer], cache.v[layer], tables, lens,

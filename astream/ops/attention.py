@@ -124,3 +124,14 @@ def merge_attention(
     out = (out_a.float() * (w_a / denom).unsqueeze(-1)
            + out_b.float() * (w_b / denom).unsqueeze(-1))
     return out.to(out_a.dtype), peak + torch.log(total)
+
+
+def merge_into_rows_ref(out: Tensor, lse: Tensor, rows: Tensor, part_out: Tensor,
+                        part_lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge a partial result (part_out [R, H, D], part_lse [R, H]) over other keys into
+    rows [R] (distinct) of out [T, H, D] / lse [T, H] float32. Returns the merged (out,
+    lse); kernels may update the given tensors in place, so use only the returned ones."""
+    merged_out, merged_lse = merge_attention(out.index_select(0, rows), lse.index_select(0, rows),
+                                             part_out, part_lse)
+    return out.index_copy(0, rows, merged_out), lse.index_copy(0, rows, merged_lse)
+

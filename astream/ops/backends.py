@@ -15,7 +15,9 @@ import torch
 from torch import Tensor
 
 from astream.ops import attention_ref, flash, quest
-from astream.ops.attention import HALF_DTYPES, select_backend, select_decode_backend
+from astream.ops.attention import (
+    HALF_DTYPES, merge_into_rows_ref, select_backend, select_decode_backend,
+)
 from astream.ops.varlen import VarlenMeta
 
 VarlenFn = Callable[..., tuple[Tensor, Tensor]]
@@ -65,3 +67,13 @@ class AttentionBackends:
 
             return triton_quest.paged_decode_selected_triton(*args, page_size=page_size, scale=scale)
         return quest.paged_decode_selected_ref(*args, page_size=page_size, scale=scale)
+
+    def merge_into_rows(self, out: Tensor, lse: Tensor, rows: Tensor, part_out: Tensor,
+                        part_lse: Tensor) -> tuple[Tensor, Tensor]:
+        """A partial result merged into some rows (see ops.attention.merge_into_rows_ref)."""
+        if self.decode_name == "triton" and out.stride(-1) == 1 and part_out.stride(-1) == 1:
+            from astream.ops import triton_merge
+
+            return triton_merge.merge_into_rows_triton(out, lse, rows, part_out, part_lse)
+        return merge_into_rows_ref(out, lse, rows, part_out, part_lse)
+

@@ -1,14 +1,13 @@
-"""Quest (Tang et al., ICML 2024) device-side ops for decode: page key bounds,
-query-aware page scores, top-k page selection, attention over the selected pages
-and the page gather that feeds it from a host pool.
+"""Quest (Tang et al., ICML 2024) device-side ops for decode: page key bounds, attention
+over selected pages and the page gather that feeds it from a host pool. Which pages a
+query selects: astream.ops.quest_select.
 
 Pages are runs of `page_size` tokens inside cache blocks (block_size % page_size == 0);
 physical page id = block * (block_size // page_size) + j. Logical page p of a sequence
 lives in physical page block_table[p // ppb] * ppb + p % ppb, ppb = block_size // page_size.
 
 Bounds are kept in the cache's dtype: min and max only select stored values, so they are
-exact in it, and float32 would double their memory for nothing. Scores are computed in
-float32. No op here reads a device value on the host, and every output shape follows
+exact in it, and float32 would double their memory for nothing. No op here reads a device value on the host, and every output shape follows
 from input shapes and host ints, so all of them can run inside a captured CUDA graph.
 """
 
@@ -50,8 +49,13 @@ def update_page_bounds(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: Tensor,
 
     A page whose first token (page offset 0) is among the new tokens is being (re)filled,
     so it is reset first: that makes prefill chunks, single decode tokens and pages reused
-    after a free all exact. Padding rows may target one scratch slot many times.
+    after a free all exact. Padding rows may target one scratch slot many times. On CUDA
+    one Triton kernel (a page's new tokens must be consecutive rows, as one sequence's are).
     """
+    if select_quest_backend(keys.device) == "triton":
+        from astream.ops import triton_quest_select
+        triton_quest_select.update_page_bounds_triton(kmin, kmax, keys, slots, page_size)
+        return
     pages = (slots.long() // page_size).view(-1, 1, 1).expand(keys.shape)
     starts = (slots.long() % page_size == 0).view(-1, 1, 1).expand(keys.shape)
     inf = torch.full((), float("inf"), dtype=kmin.dtype, device=kmin.device)
@@ -93,102 +97,6 @@ def store_block_bounds(kmin: Tensor, kmax: Tensor, keys_blocks: Tensor, blocks: 
     lo, hi = bounds_of_blocks(keys_blocks, page_size, num_valid)
     kmin.index_copy_(0, pages, lo.to(kmin.dtype))
     kmax.index_copy_(0, pages, hi.to(kmax.dtype))
-
-
-def physical_page_ids(block_tables: Tensor, context_lens: Tensor, *, max_pages: int,
-                      block_size: int, page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
-    """block_tables [B, max_blocks] int32, context_lens [B] -> page_ids [B, max_pages] int64
-    (-1 past each context) and num_pages [B] int32 = ceil(context_len / page_size)."""
-    ppb = pages_per_block(block_size, page_size)
-    if max_pages > block_tables.shape[1] * ppb:
-        raise ValueError(f"max_pages {max_pages} > the {block_tables.shape[1]} table blocks hold")
-    pos = torch.arange(max_pages, device=block_tables.device)
-    ids = block_tables[:, pos // ppb].long() * ppb + pos % ppb
-    num_pages = torch.div(context_lens + page_size - 1, page_size, rounding_mode="floor")
-    return torch.where(pos < num_pages.view(-1, 1), ids, -1), num_pages.to(torch.int32)
-
-
-def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num_pages: Tensor,
-                    *, gqa_reduce: str = "max") -> Tensor:
-    """Quest criticality: q [B, H, D], bounds [pages, KVH, D], page_ids [B, P] (physical;
-    entries at p >= num_pages[b] or < 0 are ignored) -> scores [B, KVH, P] float32.
-
-    Per query head: sum_i max(q_i * min_i, q_i * max_i), an upper bound of q.k over the
-    page (unscaled). A KV head's score is the max (or sum) over its query heads.
-    Invalid pages score -inf.
-    """
-    if gqa_reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, not {gqa_reduce!r}")
-    batch, n_heads, head_dim = q.shape
-    kv_heads = kmin.shape[1]
-    pos = torch.arange(page_ids.shape[1], device=q.device)
-    valid = (pos < num_pages.view(-1, 1)) & (page_ids >= 0)
-    ids = torch.where(valid, page_ids, 0).long()
-    qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
-    # max(q*lo, q*hi) = q+ * hi + q- * lo because lo <= hi: two matmuls, no [.., P, D] max.
-    scores = (torch.einsum("bkgd,bpkd->bkgp", qg.clamp(min=0), kmax[ids].float())
-              + torch.einsum("bkgd,bpkd->bkgp", qg.clamp(max=0), kmin[ids].float()))
-    scores = scores.amax(dim=2) if gqa_reduce == "max" else scores.sum(dim=2)
-    return torch.where(valid.unsqueeze(1), scores, float("-inf"))
-
-
-def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_pages: int = 1,
-                 recent_pages: int = 1) -> tuple[Tensor, Tensor]:
-    """Top pages per (sequence, KV head): scores [B, KVH, P], num_pages [B] ->
-    indices [B, KVH, budget_pages] int32 (logical pages, ascending), counts [B, KVH] int32.
-
-    The first `sink_pages` and the last `recent_pages` pages are always kept; with
-    num_pages <= budget_pages every page is kept (exactly full attention). counts =
-    min(num_pages, budget_pages). Entries past counts repeat the last selected page
-    (0 when there is none): always in range, but only counts says how many are real.
-    """
-    if budget_pages < max(1, sink_pages + recent_pages):
-        raise ValueError(f"budget_pages {budget_pages} < sink_pages + recent_pages")
-    n_pages = scores.shape[-1]
-    if n_pages == 0:
-        none = torch.zeros(*scores.shape[:2], budget_pages, dtype=torch.int32, device=scores.device)
-        return none, none[..., 0].contiguous()
-    pos = torch.arange(n_pages, device=scores.device)
-    limit = num_pages.view(-1, 1, 1).long().clamp(max=n_pages)
-    forced = (pos < sink_pages) | (pos >= limit - recent_pages)
-    # Any real page must outrank every padding page, even with a -inf or NaN score.
-    lowest = torch.finfo(torch.float32).min
-    ranked = scores.float().nan_to_num(nan=lowest, posinf=-lowest, neginf=lowest)
-    ranked = torch.where(forced, float("inf"), ranked)
-    ranked = torch.where(pos < limit, ranked, float("-inf"))
-    k = min(budget_pages, n_pages)
-    top = torch.topk(ranked, k, dim=-1, sorted=False).indices
-    counts = limit.view(-1, 1).clamp(max=budget_pages).expand(scores.shape[:2])
-    slot = torch.arange(k, device=scores.device)
-    # After sorting, the real picks come first; pads take the last real one.
-    keyed = torch.where(top < limit, top, n_pages)  # -inf picks are exactly the pages >= limit
-    ordered = keyed.sort(dim=-1).values
-    last = ordered.gather(-1, (counts - 1).clamp(min=0).unsqueeze(-1))
-    last = torch.where(last < n_pages, last, 0)
-    ordered = torch.where(slot < counts.unsqueeze(-1), ordered, last)
-    if k < budget_pages:
-        ordered = torch.cat([ordered, last.expand(*ordered.shape[:2], budget_pages - k)], -1)
-    return ordered.to(torch.int32), counts.to(torch.int32).contiguous()
-
-
-def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, block_size: int,
-                      page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
-    """Add every page of each sequence's newest (unfinished) block to its selection.
-
-    indices [B, KVH, P] int32 and counts [B, KVH] from `select_pages` over the pages before
-    the newest block; block_start [B] = the first token of that block. Returns indices
-    [B, KVH, P + ppb] with the block's ppb pages right after the `counts` real ones, and
-    counts + ppb. (Its pages past the context are masked by the attention's context_lens.)
-    """
-    ppb = pages_per_block(block_size, page_size)
-    batch, kv_heads, picked = indices.shape
-    pos = torch.arange(picked + ppb, device=indices.device)
-    real = counts.unsqueeze(-1).long()
-    first = (block_start.long() // page_size).view(batch, 1, 1)
-    newest = first + (pos - real).clamp(0, ppb - 1)
-    padded = torch.cat([indices, indices[..., -1:].expand(batch, kv_heads, ppb)], dim=-1).long()
-    merged = torch.where(pos < real, padded, newest)
-    return merged.to(torch.int32), (counts + ppb).to(torch.int32)
 
 
 def _selected_slots(block_tables: Tensor, page_indices: Tensor, page_counts: Tensor,
@@ -293,16 +201,6 @@ def select_quest_backend(device: torch.device | str) -> str:
     if device.type == "cuda" and _triton_quest_importable():
         return "triton"
     return "reference"
-
-
-def page_scores(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num_pages: Tensor,
-                *, gqa_reduce: str = "max") -> Tensor:
-    """`page_scores_ref`'s contract; the Triton kernel on CUDA reads each bound once."""
-    if select_quest_backend(q.device) == "triton":
-        from astream.ops import triton_quest
-        return triton_quest.page_scores_triton(q, kmin, kmax, page_ids, num_pages,
-                                               gqa_reduce=gqa_reduce)
-    return page_scores_ref(q, kmin, kmax, page_ids, num_pages, gqa_reduce=gqa_reduce)
 
 
 def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

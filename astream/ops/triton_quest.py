@@ -1,6 +1,5 @@
 """Triton kernels of the Quest ops (CUDA; also run under TRITON_INTERPRET=1).
 
-- page scores: grid (batch, kv_head, page tile); each bound is read once.
 - selected-pages decode: the split-KV decode of triton_decode over a (sequence, KV
   head)'s selected pages instead of its whole context. Grid (batch, kv_head, split):
   one program owns a KV head's whole query group, so each K/V tile is loaded once;
@@ -20,45 +19,9 @@ from torch import Tensor
 
 from astream.ops.triton_decode import (
     LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _block_n, _check_inputs, _dim_mask,
-    _finish, _launch_merge, _load_kv, _scores, _split_range, _store_split, _token_slots,
+    _finish, _launch_merge, _load_kv, _split_range, _store_split, _token_slots,
     choose_num_splits,
 )
-
-SCORE_BLOCK_P = 64  # pages per score program: 2 x 64 x 128 bounds of 2 bytes = 32 KB
-
-
-@triton.jit
-def _page_scores_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, ids_ptr, npages_ptr, out_ptr,
-    stride_qb, stride_qh, stride_np, stride_nh, stride_xp, stride_xh,
-    stride_ib, stride_ob, stride_oh, n_pages,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_P: tl.constexpr, USE_DOT: tl.constexpr, SUM_GROUP: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    pos = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, D_PAD)
-    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh + dims[None, :],
-                mask=_dim_mask(rows < GROUP, dims, HEAD_DIM, D_PAD), other=0.0).to(tl.float32)
-    ids = tl.load(ids_ptr + b * stride_ib + pos, mask=pos < n_pages, other=-1)
-    ok = (pos < tl.load(npages_ptr + b)) & (ids >= 0)
-    ids = tl.where(ok, ids, 0).to(tl.int64)
-    mask = _dim_mask(ok, dims, HEAD_DIM, D_PAD)
-    lo = tl.load(kmin_ptr + ids[:, None] * stride_np + kvh * stride_nh + dims[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(kmax_ptr + ids[:, None] * stride_xp + kvh * stride_xh + dims[None, :],
-                 mask=mask, other=0.0).to(tl.float32)
-    # max(q*lo, q*hi) = q+ * hi + q- * lo since lo <= hi; ieee: scores only rank, but exactly.
-    s = (_scores(tl.maximum(q, 0.0), hi, USE_DOT, "ieee")
-         + _scores(tl.minimum(q, 0.0), lo, USE_DOT, "ieee"))  # [GROUP_PAD, BLOCK_P]
-    if SUM_GROUP:
-        s = tl.sum(tl.where((rows < GROUP)[:, None], s, 0.0), axis=0)
-    else:
-        s = tl.max(tl.where((rows < GROUP)[:, None], s, float("-inf")), axis=0)
-    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + pos, tl.where(ok, s, float("-inf")),
-             mask=pos < n_pages)
 
 
 @triton.jit
@@ -138,38 +101,12 @@ def _gather_pages_kernel(
              mask=mask)
 
 
-def _group_tile(group: int, d_pad: int, use_dot: bool | None) -> tuple[bool, int]:
+def group_tile(group: int, d_pad: int, use_dot: bool | None) -> tuple[bool, int]:
     """(use_dot, padded query-group rows), as triton_decode chooses them."""
     if use_dot is None:
         use_dot = d_pad >= MIN_DOT_DIM
     group_pad = triton.next_power_of_2(group)
     return use_dot, max(group_pad, MIN_DOT_DIM) if use_dot else group_pad
-
-
-def page_scores_triton(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor,
-                       num_pages: Tensor, *, gqa_reduce: str = "max",
-                       use_dot: bool | None = None) -> Tensor:
-    """See astream.ops.quest.page_scores_ref; bounds need a contiguous head_dim."""
-    if gqa_reduce not in ("max", "sum"):
-        raise ValueError(f"gqa_reduce must be 'max' or 'sum', not {gqa_reduce!r}")
-    batch, n_heads, head_dim = q.shape
-    kv_heads, n_pages = kmin.shape[1], page_ids.shape[1]
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    page_ids = page_ids if page_ids.stride(-1) == 1 else page_ids.contiguous()
-    out = torch.empty(batch, kv_heads, n_pages, dtype=torch.float32, device=q.device)
-    if batch == 0 or n_pages == 0:
-        return out
-    d_pad = triton.next_power_of_2(head_dim)
-    use_dot, group_pad = _group_tile(n_heads // kv_heads, d_pad, use_dot)
-    grid = (batch, kv_heads, triton.cdiv(n_pages, SCORE_BLOCK_P))
-    _page_scores_kernel[grid](
-        q, kmin, kmax, page_ids, num_pages, out, q.stride(0), q.stride(1),
-        kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1), page_ids.stride(0),
-        out.stride(0), out.stride(1), n_pages, GROUP=n_heads // kv_heads, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_P=SCORE_BLOCK_P, USE_DOT=use_dot,
-        SUM_GROUP=gqa_reduce == "sum", num_warps=NUM_WARPS,
-    )
-    return out
 
 
 def _launch_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
@@ -179,7 +116,7 @@ def _launch_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor
     batch, n_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     d_pad = triton.next_power_of_2(head_dim)
-    use_dot, group_pad = _group_tile(n_heads // kv_heads, d_pad, use_dot)
+    use_dot, group_pad = group_tile(n_heads // kv_heads, d_pad, use_dot)
     block_n = max(_block_n(d_pad, k_cache.element_size(), q.device), page_size)
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     _selected_split_kernel[(batch, kv_heads, out.shape[2])](

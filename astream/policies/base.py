@@ -50,6 +50,11 @@ class DecodeQuery:
     block_tables: Tensor             # [B, max_blocks] int32: the blocks holding that KV
     context_lens: Tensor             # [B] int32: tokens selectable (from the start of the table)
     max_context: int                 # a host bound on context_lens (fixes the shapes)
+    # The executor's asks: read the block after context_lens whole too (the unfinished
+    # newest block; context_lens is then a multiple of the block size), and give each
+    # entry's physical page id (to gather pages from a host pool).
+    append_newest: bool = False
+    physical: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,6 +64,7 @@ class PageSelection:
     indices: Tensor                  # [B, KVH, P] int32, ascending; entries past counts repeat
     counts: Tensor                   # [B, KVH] int32
     page_size: int
+    physical: Tensor | None = None   # [B, KVH, P] int64 block * (block_size // page_size) + j
 
 
 class PolicyRuntime:
@@ -87,6 +93,7 @@ class SparsePolicy:
     """A sparse-attention method with its parameters; see the module docstring."""
 
     name = "base"
+    supports_offload = True          # class attribute: whether it runs with the KV on the host
 
     def bind(self, layout: KVLayout) -> PolicyRuntime:
         return PolicyRuntime()

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from astream.ops import quest as ops
+from astream.ops.quest_select import select_decode_pages
 from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
 
 
@@ -84,16 +85,14 @@ class QuestRuntime(PolicyRuntime):
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
         policy = self.policy
         kmin, kmax = self.bounds[layer]
-        max_pages = -(-query.max_context // policy.page_size)
-        page_ids, num_pages = ops.physical_page_ids(
-            query.block_tables, query.context_lens, max_pages=max_pages,
-            block_size=self.layout.block_size, page_size=policy.page_size)
-        scores = ops.page_scores(query.q, kmin, kmax, page_ids, num_pages, gqa_reduce=policy.gqa_reduce)
-        indices, counts = ops.select_pages(scores, num_pages, policy.budget_pages, policy.sink_pages,
-                                           policy.recent_pages)
-        self.counters[layer, 0] += counts.sum()
-        self.counters[layer, 1] += counts.numel()
-        return PageSelection(indices, counts, policy.page_size)
+        chosen = select_decode_pages(
+            query.q, kmin, kmax, query.block_tables, query.context_lens,
+            max_pages=-(-query.max_context // policy.page_size), block_size=self.layout.block_size,
+            page_size=policy.page_size, budget_pages=policy.budget_pages,
+            sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
+            gqa_reduce=policy.gqa_reduce, append_newest=query.append_newest,
+            physical=query.physical, counters=self.counters[layer])
+        return PageSelection(chosen.indices, chosen.counts, policy.page_size, chosen.physical)
 
     def stats(self) -> dict:
         """Pages read per (sequence, KV head) selection, by layer (reads the device counters)."""

@@ -1,0 +1,182 @@
+"""Quest's decode page selection: which pages of its context each sequence's query reads,
+per KV head, within a budget (Tang et al., ICML 2024).
+
+`select_decode_pages` is what a layer calls: scores from the page bounds through the
+block tables, the top pages with the sink and recent ones forced, optionally the pages
+of the newest (unfinished) block after them and the physical page ids. On CUDA it is two
+Triton kernels (astream.ops.triton_quest_select); `select_decode_pages_ref` composes the
+torch references below, which the tests also check one by one against brute force.
+No op here reads a device value on the host; every output shape follows from input
+shapes and host ints, so all of them run inside a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from astream.ops.quest import DEFAULT_PAGE_SIZE, GQA_REDUCTIONS, pages_per_block, select_quest_backend
+
+
+class Selection(NamedTuple):
+    indices: Tensor                  # [B, KVH, W] int32 logical pages, ascending; pads repeat
+    counts: Tensor                   # [B, KVH] int32 real entries
+    physical: Tensor | None          # [B, KVH, W] int64 block * ppb + j, when asked
+
+
+def select_decode_pages(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables: Tensor,
+                        context_lens: Tensor, *, max_pages: int, block_size: int,
+                        page_size: int, budget_pages: int, sink_pages: int = 1,
+                        recent_pages: int = 1, gqa_reduce: str = "max",
+                        append_newest: bool = False, physical: bool = False,
+                        counters: Tensor | None = None) -> Selection:
+    """`select_decode_pages_ref`'s contract; two Triton kernels on CUDA."""
+    args = (q, kmin, kmax, block_tables, context_lens)
+    kw = dict(max_pages=max_pages, block_size=block_size, page_size=page_size,
+              budget_pages=budget_pages, sink_pages=sink_pages, recent_pages=recent_pages,
+              gqa_reduce=gqa_reduce, append_newest=append_newest, physical=physical,
+              counters=counters)
+    _check_selection(budget_pages, sink_pages, recent_pages, gqa_reduce, block_size, page_size)
+    if select_quest_backend(q.device) == "triton":
+        from astream.ops import triton_quest_select
+        return Selection(*triton_quest_select.select_decode_pages_triton(*args, **kw))
+    return select_decode_pages_ref(*args, **kw)
+
+
+def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables: Tensor,
+                            context_lens: Tensor, *, max_pages: int, block_size: int,
+                            page_size: int, budget_pages: int, sink_pages: int = 1,
+                            recent_pages: int = 1, gqa_reduce: str = "max",
+                            append_newest: bool = False, physical: bool = False,
+                            counters: Tensor | None = None) -> Selection:
+    """Pages each (sequence, KV head) of q [B, H, D] reads among the first
+    ceil(context_lens / page_size) logical pages of its table (max_pages bounds them):
+    `select_pages` over `page_scores_ref`. With `append_newest`, context_lens must be a
+    multiple of block_size (the full blocks) and the block after them is added whole
+    (`with_newest_block`). `physical` also returns every entry's physical page id.
+    `counters` [2] int64, if given, gains the real picks (before the newest block) and
+    the number of (sequence, KV head) rows.
+    """
+    _check_selection(budget_pages, sink_pages, recent_pages, gqa_reduce, block_size, page_size)
+    ids, num_pages = physical_page_ids(block_tables, context_lens, max_pages=max_pages,
+                                       block_size=block_size, page_size=page_size)
+    scores = page_scores_ref(q, kmin, kmax, ids, num_pages, gqa_reduce=gqa_reduce)
+    indices, counts = select_pages(scores, num_pages, budget_pages, sink_pages, recent_pages)
+    if counters is not None:
+        counters += torch.stack([counts.sum(), torch.tensor(counts.numel(), device=counts.device)])
+    if append_newest:
+        indices, counts = with_newest_block(indices, counts, context_lens, block_size, page_size)
+    phys = None
+    if physical:
+        ppb = pages_per_block(block_size, page_size)
+        batch, kv_heads, width = indices.shape
+        blocks = block_tables.long().gather(1, (indices.long() // ppb).view(batch, -1))
+        phys = blocks.view(batch, kv_heads, width) * ppb + indices.long() % ppb
+    return Selection(indices, counts, phys)
+
+
+def _check_selection(budget_pages: int, sink_pages: int, recent_pages: int, gqa_reduce: str,
+                     block_size: int, page_size: int) -> None:
+    pages_per_block(block_size, page_size)
+    if budget_pages < max(1, sink_pages + recent_pages):
+        raise ValueError(f"budget_pages {budget_pages} < sink_pages + recent_pages")
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, not {gqa_reduce!r}")
+
+
+def physical_page_ids(block_tables: Tensor, context_lens: Tensor, *, max_pages: int,
+                      block_size: int, page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
+    """block_tables [B, max_blocks] int32, context_lens [B] -> page_ids [B, max_pages] int64
+    (-1 past each context) and num_pages [B] int32 = ceil(context_len / page_size)."""
+    ppb = pages_per_block(block_size, page_size)
+    if max_pages > block_tables.shape[1] * ppb:
+        raise ValueError(f"max_pages {max_pages} > the {block_tables.shape[1]} table blocks hold")
+    pos = torch.arange(max_pages, device=block_tables.device)
+    ids = block_tables[:, pos // ppb].long() * ppb + pos % ppb
+    num_pages = torch.div(context_lens + page_size - 1, page_size, rounding_mode="floor")
+    return torch.where(pos < num_pages.view(-1, 1), ids, -1), num_pages.to(torch.int32)
+
+
+def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num_pages: Tensor,
+                    *, gqa_reduce: str = "max") -> Tensor:
+    """Quest criticality: q [B, H, D], bounds [pages, KVH, D], page_ids [B, P] (physical;
+    entries at p >= num_pages[b] or < 0 are ignored) -> scores [B, KVH, P] float32.
+
+    Per query head: sum_i max(q_i * min_i, q_i * max_i), an upper bound of q.k over the
+    page (unscaled). A KV head's score is the max (or sum) over its query heads.
+    Invalid pages score -inf.
+    """
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, not {gqa_reduce!r}")
+    batch, n_heads, head_dim = q.shape
+    kv_heads = kmin.shape[1]
+    pos = torch.arange(page_ids.shape[1], device=q.device)
+    valid = (pos < num_pages.view(-1, 1)) & (page_ids >= 0)
+    ids = torch.where(valid, page_ids, 0).long()
+    qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
+    # max(q*lo, q*hi) = q+ * hi + q- * lo because lo <= hi: two matmuls, no [.., P, D] max.
+    scores = (torch.einsum("bkgd,bpkd->bkgp", qg.clamp(min=0), kmax[ids].float())
+              + torch.einsum("bkgd,bpkd->bkgp", qg.clamp(max=0), kmin[ids].float()))
+    scores = scores.amax(dim=2) if gqa_reduce == "max" else scores.sum(dim=2)
+    return torch.where(valid.unsqueeze(1), scores, float("-inf"))
+
+
+def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_pages: int = 1,
+                 recent_pages: int = 1) -> tuple[Tensor, Tensor]:
+    """Top pages per (sequence, KV head): scores [B, KVH, P], num_pages [B] ->
+    indices [B, KVH, budget_pages] int32 (logical pages, ascending), counts [B, KVH] int32.
+
+    The first `sink_pages` and the last `recent_pages` pages are always kept; with
+    num_pages <= budget_pages every page is kept (exactly full attention). counts =
+    min(num_pages, budget_pages). Entries past counts repeat the last selected page
+    (0 when there is none): always in range, but only counts says how many are real.
+    """
+    if budget_pages < max(1, sink_pages + recent_pages):
+        raise ValueError(f"budget_pages {budget_pages} < sink_pages + recent_pages")
+    n_pages = scores.shape[-1]
+    if n_pages == 0:
+        none = torch.zeros(*scores.shape[:2], budget_pages, dtype=torch.int32, device=scores.device)
+        return none, none[..., 0].contiguous()
+    pos = torch.arange(n_pages, device=scores.device)
+    limit = num_pages.view(-1, 1, 1).long().clamp(max=n_pages)
+    forced = (pos < sink_pages) | (pos >= limit - recent_pages)
+    # Any real page must outrank every padding page, even with a -inf or NaN score.
+    lowest = torch.finfo(torch.float32).min
+    ranked = scores.float().nan_to_num(nan=lowest, posinf=-lowest, neginf=lowest)
+    ranked = torch.where(forced, float("inf"), ranked)
+    ranked = torch.where(pos < limit, ranked, float("-inf"))
+    k = min(budget_pages, n_pages)
+    top = torch.topk(ranked, k, dim=-1, sorted=False).indices
+    counts = limit.view(-1, 1).clamp(max=budget_pages).expand(scores.shape[:2])
+    slot = torch.arange(k, device=scores.device)
+    # After sorting, the real picks come first; pads take the last real one.
+    keyed = torch.where(top < limit, top, n_pages)  # -inf picks are exactly the pages >= limit
+    ordered = keyed.sort(dim=-1).values
+    last = ordered.gather(-1, (counts - 1).clamp(min=0).unsqueeze(-1))
+    last = torch.where(last < n_pages, last, 0)
+    ordered = torch.where(slot < counts.unsqueeze(-1), ordered, last)
+    if k < budget_pages:
+        ordered = torch.cat([ordered, last.expand(*ordered.shape[:2], budget_pages - k)], -1)
+    return ordered.to(torch.int32), counts.to(torch.int32).contiguous()
+
+
+def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, block_size: int,
+                      page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
+    """Add every page of each sequence's newest (unfinished) block to its selection.
+
+    indices [B, KVH, P] int32 and counts [B, KVH] from `select_pages` over the pages before
+    the newest block; block_start [B] = the first token of that block. Returns indices
+    [B, KVH, P + ppb] with the block's ppb pages right after the `counts` real ones, and
+    counts + ppb. (Its pages past the context are masked by the attention's context_lens.)
+    """
+    ppb = pages_per_block(block_size, page_size)
+    batch, kv_heads, picked = indices.shape
+    pos = torch.arange(picked + ppb, device=indices.device)
+    real = counts.unsqueeze(-1).long()
+    first = (block_start.long() // page_size).view(batch, 1, 1)
+    newest = first + (pos - real).clamp(0, ppb - 1)
+    padded = torch.cat([indices, indices[..., -1:].expand(batch, kv_heads, ppb)], dim=-1).long()
+    merged = torch.where(pos < real, padded, newest)
+    return merged.to(torch.int32), (counts + ppb).to(torch.int32)
