@@ -5,13 +5,24 @@ from __future__ import annotations
 from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
 from astream.policies.full import FullPolicy
 from astream.policies.quest import QuestPolicy, QuestRuntime
+from astream.policies.xattention import XAttentionPolicy
 
-POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy}
+POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy,
+                                            "xattention": XAttentionPolicy}
 
 
-def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> SparsePolicy:
+def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None, *,
+                offload: bool = False) -> SparsePolicy:
     """The policy an engine option names, or the instance it is. A budget applies to a policy
-    given by name. Unknown names and bad parameters raise ValueError naming them."""
+    given by name. Unknown names, bad parameters and a policy that cannot run with offload
+    (when `offload`) raise ValueError naming them."""
+    policy = _named_policy(spec, budget_tokens)
+    if offload and not policy.supports_offload:
+        raise ValueError(f"sparse_policy {policy.name!r} does not work with offload yet")
+    return policy
+
+
+def _named_policy(spec: str | SparsePolicy, budget_tokens: int | None) -> SparsePolicy:
     if isinstance(spec, SparsePolicy):
         if budget_tokens is not None:
             raise ValueError("sparse_budget applies to a policy given by name; a SparsePolicy "
@@ -29,4 +40,4 @@ def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> S
 
 
 __all__ = ["DecodeQuery", "FullPolicy", "KVLayout", "POLICIES", "PageSelection", "PolicyRuntime",
-           "QuestPolicy", "QuestRuntime", "SparsePolicy", "make_policy"]
+           "QuestPolicy", "QuestRuntime", "SparsePolicy", "XAttentionPolicy", "make_policy"]
