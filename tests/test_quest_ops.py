@@ -26,14 +26,20 @@ def make_cache(ctx_lens, kv_heads, head_dim, block_size, num_blocks, seed,
     storage = torch.randn(shape, generator=gen).to(dtype)
     if head_major:
         storage = storage.transpose(2, 3)
-    n_blocks = [-(-n // block_size) for n in ctx_lens]
-    tables = torch.full((len(ctx_lens), max(n_blocks) + 1), 10**6, dtype=torch.int32)
+    tables = shuffled_tables([-(-n // block_size) for n in ctx_lens], num_blocks, gen)
+    return storage[0], storage[1], tables, torch.tensor(ctx_lens, dtype=torch.int32)
+
+
+def shuffled_tables(n_blocks: list[int], num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Block tables of sequences holding n_blocks blocks each, drawn without repeats from a
+    shuffled pool of num_blocks; a garbage id past each sequence's blocks."""
+    tables = torch.full((len(n_blocks), max(n_blocks) + 1), 10**6, dtype=torch.int32)
     free = torch.randperm(num_blocks, generator=gen)
     start = 0
     for b, n in enumerate(n_blocks):
         tables[b, :n] = free[start:start + n]
         start += n
-    return storage[0], storage[1], tables, torch.tensor(ctx_lens, dtype=torch.int32)
+    return tables
 
 
 # ---- page bounds -----------------------------------------------------------------------

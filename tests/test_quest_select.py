@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_quest_ops import shuffled_tables
 from triton_interpreter import run_interpreted_check
 
 from astream.ops import quest
@@ -145,12 +146,7 @@ def fused_case(lens, group=2, kvh=2, dim=16, block=32, page=16, seed=0, dtype=to
     gen = torch.Generator().manual_seed(seed)
     n_blocks = [-(-n // block) + 1 for n in lens]            # + the newest block's
     num_blocks = sum(n_blocks) + 3
-    tables = torch.full((len(lens), max(n_blocks) + 1), 10**6, dtype=torch.int32)
-    free = torch.randperm(num_blocks, generator=gen)
-    start = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = free[start:start + n]
-        start += n
+    tables = shuffled_tables(n_blocks, num_blocks, gen)
     kmin, kmax = random_bounds(num_blocks * (block // page), kvh, dim, seed, dtype)
     q = torch.randn(len(lens), kvh * group, dim, generator=gen).to(dtype)
     return q, kmin, kmax, tables, torch.tensor(lens, dtype=torch.int32)

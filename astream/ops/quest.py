@@ -13,11 +13,10 @@ from input shapes and host ints, so all of them can run inside a captured CUDA g
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
+from astream.ops.attention import select_decode_backend
 from astream.ops.attention_ref import MAX_SCORE_ELEMENTS, _softmax_rows
 
 DEFAULT_PAGE_SIZE = 16
@@ -186,21 +185,10 @@ def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tens
         dst_pages.copy_(torch.where(keep, src[blocks, heads, toks].to(dst.dtype), dst_pages))
 
 
-@functools.cache
-def _triton_quest_importable() -> bool:
-    try:
-        import astream.ops.triton_quest  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def select_quest_backend(device: torch.device | str) -> str:
-    """Backend of the Quest ops for tensors on `device`: "triton" | "reference"."""
-    device = torch.device(device)
-    if device.type == "cuda" and _triton_quest_importable():
-        return "triton"
-    return "reference"
+    """Backend of the Quest ops for tensors on `device`: "triton" | "reference". They are
+    built on the decode kernels' Triton pieces, so the decode rule decides for both."""
+    return select_decode_backend(device)
 
 
 def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

@@ -65,7 +65,8 @@ def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables:
     scores = page_scores_ref(q, kmin, kmax, ids, num_pages, gqa_reduce=gqa_reduce)
     indices, counts = select_pages(scores, num_pages, budget_pages, sink_pages, recent_pages)
     if counters is not None:
-        counters += torch.stack([counts.sum(), torch.tensor(counts.numel(), device=counts.device)])
+        counters[0] += counts.sum()
+        counters[1] += counts.numel()
     if append_newest:
         indices, counts = with_newest_block(indices, counts, context_lens, block_size, page_size)
     phys = None

@@ -21,11 +21,10 @@ these torch functions are its reference and the CPU path.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import Tensor
 
+from astream.ops.attention import select_decode_backend
 from astream.ops.attention_ref import _softmax_rows
 
 
@@ -81,15 +80,28 @@ def visible_blocks(n_q: int, n_k: int, block: int, device: torch.device) -> tupl
     return (starts + offset) // block, (ends + offset) // block
 
 
+def visible_mask(n_heads: int, n_q: int, n_k: int, block: int, device: torch.device) -> Tensor:
+    """Every causally visible block [H, n_qb, n_kb] bool: the mask of full attention."""
+    _, last = visible_blocks(n_q, n_k, block, device)
+    cols = torch.arange(-(-n_k // block), device=device).view(1, -1)
+    return (cols <= last.view(-1, 1)).expand(n_heads, -1, -1)
+
+
+def visible_block_count(n_q: int, n_k: int, block: int) -> int:
+    """Causally visible blocks of one head, from host ints (no device read)."""
+    offset = n_k - n_q
+    return sum((min(start + block - 1, n_q - 1) + offset) // block + 1
+               for start in range(0, n_q, block))
+
+
 def select_blocks_ref(scores: Tensor, *, threshold: float, n_q: int, n_k: int,
                       block: int) -> Tensor:
     """Block mask [H, n_qb, n_kb] bool from scores [H, n_qb, n_kb] (see the module docstring)."""
-    n_heads, n_qb, n_kb = scores.shape
-    diag_first, last = visible_blocks(n_q, n_k, block, scores.device)
-    cols = torch.arange(n_kb, device=scores.device).view(1, -1)
-    visible = (cols <= last.view(-1, 1)).expand(n_heads, n_qb, n_kb)
+    visible = visible_mask(scores.shape[0], n_q, n_k, block, scores.device)
     if threshold >= 1.0:
         return visible.clone()
+    diag_first, _ = visible_blocks(n_q, n_k, block, scores.device)
+    cols = torch.arange(scores.shape[2], device=scores.device).view(1, -1)
     forced = visible & ((cols == 0) | (cols >= diag_first.view(-1, 1)))
     ranked = torch.where(forced, float("inf"), torch.where(visible, scores.float(), -1.0))
     order = ranked.argsort(dim=-1, descending=True, stable=True)
@@ -124,15 +136,13 @@ def block_sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *,
 
 def density(mask: Tensor, n_q: int, n_k: int, block: int) -> float:
     """Share of the causally visible blocks the mask keeps (1.0 = full attention)."""
-    _, last = visible_blocks(n_q, n_k, block, mask.device)
-    return float(mask.sum()) / max(1, mask.shape[0] * int((last + 1).sum()))
+    return float(mask.sum()) / max(1, mask.shape[0] * visible_block_count(n_q, n_k, block))
 
 
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, block: int,
                            scale: float) -> tuple[Tensor, Tensor]:
     """`block_sparse_attention_ref`'s contract; the Triton kernel on CUDA."""
-    if q.device.type == "cuda" and importlib.util.find_spec("triton") is not None \
-            and block >= 16 and not block & (block - 1):
+    if select_decode_backend(q.device) == "triton" and block >= 16 and not block & (block - 1):
         from astream.ops import triton_xattention
         return triton_xattention.block_sparse_attention_triton(q, k, v, mask, block=block,
                                                                scale=scale)

@@ -72,27 +72,19 @@ class XAttentionRuntime(PolicyRuntime):
             out[q0:q1], lse[q0:q1] = ops.block_sparse_attention(
                 q[q0:q1], k[k0:k1], v[k0:k1], mask, block=policy.block_size, scale=scale)
             self.counters[layer, 0] += mask.sum()
-            self.counters[layer, 1] += self._visible(q1 - q0, k1 - k0) * q.shape[1]
+            self.counters[layer, 1] += ops.visible_block_count(q1 - q0, k1 - k0,
+                                                               policy.block_size) * q.shape[1]
         return out, lse
 
     def _mask(self, q: Tensor, k: Tensor, scale: float) -> Tensor:
         policy = self.policy
         n_q, n_k = q.shape[0], k.shape[0]
         if policy.threshold >= 1.0:        # exact: every visible block, nothing to estimate
-            n_kb = -(-n_k // policy.block_size)
-            _, last = ops.visible_blocks(n_q, n_k, policy.block_size, q.device)
-            cols = torch.arange(n_kb, device=q.device)
-            return (cols.view(1, -1) <= last.view(-1, 1)).expand(q.shape[1], -1, -1)
+            return ops.visible_mask(q.shape[1], n_q, n_k, policy.block_size, q.device)
         scores = ops.antidiagonal_scores_ref(q, k, block=policy.block_size, stride=policy.stride,
                                              scale=scale)
         return ops.select_blocks_ref(scores, threshold=policy.threshold, n_q=n_q, n_k=n_k,
                                      block=policy.block_size)
-
-    def _visible(self, n_q: int, n_k: int) -> int:
-        block = self.policy.block_size
-        offset = n_k - n_q
-        return sum((min(start + block - 1, n_q - 1) + offset) // block + 1
-                   for start in range(0, n_q, block))
 
     def stats(self) -> dict:
         """Share of the causally visible key blocks prefill read, by layer."""
