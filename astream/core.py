@@ -19,7 +19,7 @@ from astream.kvcache.sizing import CachePlan, CacheSpec, check_max_model_len, pl
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
-from astream.policies import make_policy
+from astream.policies import SparsePolicy, make_policy
 from astream.request import ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
 from astream.sampling import SamplingParams
@@ -57,7 +57,8 @@ class EngineCore:
         check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
         policy = make_policy(config.sparse_policy, config.sparse_budget, offload=config.offload)
-        spec = _cache_spec(config, policy.kv_overhead(model.decoder.config.num_layers))
+        spec = _cache_spec(config, _device_kv_overhead(policy, model.decoder.config.num_layers,
+                                                       config.offload))
         plan = plan_cache(spec, model.decoder.config, dtype, device)   # sized after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
@@ -275,7 +276,15 @@ class EngineCore:
         return {"offload_tail_blocks_used": self.runner.tails.in_use(),
                 "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
                 "offload_bytes_loaded": engine.bytes_loaded,
+                "offload_device_layers": sorted(engine.device_layers),
                 "offload_bytes_offloaded": engine.bytes_offloaded}
+
+
+def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool) -> float:
+    """Device bytes per byte of KV in the cache beyond the cache itself: the policy's
+    metadata and, with offload, the layers whose KV it keeps on the device as well."""
+    mirrored = len(policy.offload_device_layers(num_layers)) / num_layers if offload else 0.0
+    return policy.kv_overhead(num_layers) + mirrored
 
 
 def _cache_spec(config: EngineConfig, kv_overhead: float) -> CacheSpec:

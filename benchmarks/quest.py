@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="resident and/or offload")
     parser.add_argument("--cases", default="", help="only these CTXxBATCH cases, e.g. 131072x1")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--budgets", default="", help="only these budgets, e.g. full,4096")
     args = parser.parse_args()
     smoke = args.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
@@ -116,6 +117,8 @@ def main() -> None:
                 sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2),
                 max_num_batched_tokens=16384)
     budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
+    if args.budgets:
+        budgets = [FULL if b == "full" else int(b) for b in args.budgets.split(",")]
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
     if args.cases:

@@ -278,13 +278,27 @@ def test_cli_reruns_one_cell_with_offload_on_the_same_prompt(needle_run, tmp_pat
     assert (tmp_path / "heatmap.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_cli_reports_what_the_sparse_policies_did(tmp_path, tokenizer_dir):
+    code = main(["eval", "needle", "--lengths", "1K", "--depths", "0.5", "--trials", "1", "--seed", "11",
+                 "--compare", "xattention+quest:256", "--out", str(tmp_path), "--tokenizer", tokenizer_dir,
+                 *ENGINE_FLAGS])
+    assert code == 0
+    (cell,) = json.loads((tmp_path / "summary.json").read_text())["xattention+quest:256"]["cells"]
+    assert 0 < cell["xattention_density"] <= 1
+    assert cell["quest_pages_per_selection"] == 256 / 16
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--compare", "full,offload", "--offload"], "--compare sets the sparse policy and offload"),
-    (["--compare", "full,nosuchpolicy"], "configuration 'nosuchpolicy': unknown sparse_policy"),
+    (["--compare", "full,nosuchpolicy"], "--compare item 'nosuchpolicy': unknown sparse_policy"),
     (["--max-model-len", "512"], "(prompt and answer) but max_model_len is 512")])
 def test_cli_refuses_bad_settings_before_loading_the_model(tmp_path, capsys, tokenizer_dir, flags, message):
-    code = main(["eval", "needle", "--lengths", "1K", "--depths", "0.5", "--trials", "1", "--seed", "11",
-                 "--out", str(tmp_path), "--tokenizer", tokenizer_dir, *ENGINE_FLAGS, *flags])
-    assert code == 1
+    argv = ["eval", "needle", "--lengths", "1K", "--depths", "0.5", "--trials", "1", "--seed", "11",
+            "--out", str(tmp_path), "--tokenizer", tokenizer_dir, *ENGINE_FLAGS, *flags]
+    try:
+        code = main(argv)
+    except SystemExit as exc:               # argparse refuses a bad --compare value itself
+        code = exc.code
+    assert code in (1, 2)
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

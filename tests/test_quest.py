@@ -25,8 +25,9 @@ def full_tokens():
         return [o.token_ids for o in llm.generate([LONG, *SHORT], GREEDY)]
 
 
-def quest_llm(offload: bool, budget: int, **extra) -> LLM:
-    return LLM(**KW, offload=offload, sparse_policy=QuestPolicy(budget_tokens=budget, **extra))
+def quest_llm(offload: bool, budget: int, dense_layers: int = 2, **engine) -> LLM:
+    return LLM(**{**KW, **engine}, offload=offload,
+               sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=dense_layers))
 
 
 @pytest.mark.parametrize("offload", MODES)
@@ -53,6 +54,22 @@ def test_a_small_budget_reads_exactly_its_pages_the_same_with_and_without_offloa
         assert sum(ch.isalpha() for ch in out.text) > len(out.text) // 3, out.text
     assert results[False] == results[True]
     assert results[False][:2] == full_tokens[0][:2]
+
+
+def test_offload_keeps_the_dense_layers_on_the_device_and_decodes_without_the_ring():
+    """Quest's dense layers keep their KV on the device too, so with every sparse layer
+    selecting, a decode step loads nothing through the ring; chunked prefill included."""
+    with quest_llm(False, budget=128, dense_layers=3) as llm:
+        want = llm.generate([LONG], GREEDY)[0].token_ids
+    with quest_llm(True, budget=128, dense_layers=3, enable_prefix_caching=False,
+                   max_num_batched_tokens=256) as llm:
+        llm.generate([LONG], SamplingParams(temperature=0, max_tokens=1))
+        one_token = llm.stats()["offload_bytes_loaded"]
+        got = llm.generate([LONG], GREEDY)[0].token_ids
+        stats = llm.stats()
+    assert stats["offload_device_layers"] == [0, 1, 2]
+    assert one_token > 0 and stats["offload_bytes_loaded"] == 2 * one_token
+    assert got == want
 
 
 def test_blocks_come_back_after_preemption_prefix_hits_and_cancels_with_quest():

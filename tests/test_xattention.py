@@ -11,11 +11,11 @@ import pytest
 import torch
 from triton_interpreter import run_interpreted_check
 
-from astream import LLM, Engine, SamplingParams
+from astream import LLM, SamplingParams
 from astream.ops import xattention as xa
 from astream.ops.attention_ref import varlen_attention_ref
 from astream.ops.varlen import VarlenMeta
-from astream.policies import XAttentionPolicy, make_policy
+from astream.policies import CombinedPolicy, QuestPolicy, XAttentionPolicy, make_policy
 
 
 def random_qkv(n_q, n_k, heads=4, kv_heads=2, dim=16, seed=0, dtype=torch.float32):
@@ -175,6 +175,47 @@ def test_triton_block_sparse_on_gpu_matches_reference():
     assert check_triton_block_sparse("cuda", tol=1e-2) == len(KERNEL_CASES)
 
 
+# (n_q, n_k, heads, kv heads, dim, block, stride): short last blocks, a prefix before the
+# chunk, a chunk longer than a program's query groups, blocks of fewer than 16 groups.
+SCORE_CASES = [(300, 300, 4, 2, 32, 64, 8), (200, 1100, 2, 1, 64, 128, 8),
+               (1100, 1500, 4, 4, 16, 16, 4), (70, 70, 2, 1, 32, 128, 16)]
+
+
+def check_triton_scores(device: str, tol: float = 1e-4, scratch: float = 0) -> int:
+    """`scratch` > 0 bounds the kernel's scratch bytes, so long chunks go in query slices."""
+    from astream.ops import triton_xattention_scores as kernels
+    default, kernels.SCRATCH_BYTES = kernels.SCRATCH_BYTES, int(scratch) or kernels.SCRATCH_BYTES
+    try:
+        for case in enumerate(SCORE_CASES):
+            _check_scores_case(device, tol, *case)
+    finally:
+        kernels.SCRATCH_BYTES = default
+    return len(SCORE_CASES)
+
+
+def _check_scores_case(device, tol, i, case):
+    from astream.ops.triton_xattention_scores import antidiagonal_scores_triton
+    n_q, n_k, heads, kvh, dim, block, stride = case
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, _ = (x.to(device) for x in random_qkv(n_q, n_k, heads, kvh, dim, seed=60 + i, dtype=dtype))
+    got = antidiagonal_scores_triton(q, k, block=block, stride=stride, scale=dim ** -0.5)
+    want = xa.antidiagonal_scores_ref(q, k, block=block, stride=stride, scale=dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
+@pytest.mark.parametrize("scratch", [0, 4096], ids=["one-launch", "query-slices"])
+def test_triton_scores_interpreter_match_reference(scratch):
+    assert run_interpreted_check("test_xattention", "check_triton_scores", 1e-4,
+                                 scratch) == len(SCORE_CASES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_scores_on_gpu_match_reference():
+    assert check_triton_scores("cuda", tol=1e-2) == len(SCORE_CASES)
+    assert check_triton_scores("cuda", tol=1e-2, scratch=4096) == len(SCORE_CASES)
+
+
 # ---- through the engine ----------------------------------------------------------------
 
 KW = dict(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=2048)
@@ -184,15 +225,13 @@ LONG = " ".join(f"Item {i} costs {i * 13 % 50} dollars and weighs {i % 7} pounds
 PROMPTS = [LONG, "The quick brown fox", "def fibonacci(n):"]
 
 
-def test_policy_parameters_and_offload_are_checked():
+def test_policy_parameters_are_checked():
     for bad in (dict(threshold=0), dict(threshold=1.5), dict(block_size=48), dict(stride=0),
                 dict(block_size=16, stride=32), dict(threshold=True)):
         with pytest.raises(ValueError, match="XAttentionPolicy"):
             XAttentionPolicy(**bad)
     with pytest.raises(ValueError, match="no budget"):
         make_policy("xattention", 1024)
-    with pytest.raises(ValueError, match="offload"):
-        Engine.check_options(sparse_policy="xattention", offload=True)
     assert isinstance(make_policy("xattention"), XAttentionPolicy)
 
 
@@ -214,3 +253,34 @@ def test_a_lower_threshold_reads_fewer_blocks_and_still_writes_text():
         assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
     assert all(0 < d < 1 for d in density), density
     assert sum(ch.isalpha() for ch in out.text) > len(out.text) // 3, out.text
+
+
+def test_xattention_with_a_quest_budget_that_covers_everything_gives_fulls_tokens(smol_llm):
+    want = [o.token_ids for o in smol_llm.generate(PROMPTS, GREEDY)]
+    policy = CombinedPolicy(prefill=XAttentionPolicy(threshold=1.0, block_size=16, stride=4),
+                            decode=QuestPolicy(budget_tokens=4096, dense_layers=0))
+    with LLM(**KW, sparse_policy=policy, max_num_batched_tokens=128) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_xattention_prefill_and_quest_decode_combine_by_name():
+    with LLM(**KW, sparse_policy="xattention+quest", sparse_budget=128) as llm:
+        out = llm.generate([LONG], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert all(0 < d <= 1 for d in stats["xattention_density"])
+    pages, rows = stats["quest_pages_read"], stats["quest_selections"]
+    assert pages[:2] == rows[:2] == [0, 0]                       # Quest's dense layers
+    assert all(r > 0 and p == 8 * r for p, r in zip(pages[2:], rows[2:]))    # 128 / 16
+    assert sum(ch.isalpha() for ch in out.text) > len(out.text) // 3, out.text
+
+
+def test_combinations_are_checked():
+    combined = make_policy("quest+xattention", 512)
+    assert (combined.name, combined.decode.budget_tokens) == ("xattention+quest", 512)
+    for spec, message in (("quest+quest", "one prefill policy"), ("xattention+full", "one prefill"),
+                          ("xattention+quest+quest", "exactly two"), ("xattention+nope", "unknown")):
+        with pytest.raises(ValueError, match=message):
+            make_policy(spec)
+    with pytest.raises(ValueError, match="decode must be a decode policy"):
+        CombinedPolicy(prefill=XAttentionPolicy(), decode=XAttentionPolicy())

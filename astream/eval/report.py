@@ -82,7 +82,8 @@ def summary(cells: Sequence[CellResult]) -> dict:
             "cells": [{"task": c.task, "length": c.length, "depth": c.depth, "trials": len(c.results),
                        "accuracy": c.accuracy, "prompt_tokens": c.prompt_tokens,
                        "prefill_tok_s": round(throughput([c]).prefill_tok_s, 1),
-                       "decode_tok_s": round(throughput([c]).decode_tok_s, 1)} for c in mine]}
+                       "decode_tok_s": round(throughput([c]).decode_tok_s, 1), **c.policy}
+                      for c in mine]}
     return out
 
 

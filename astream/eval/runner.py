@@ -42,6 +42,7 @@ class CellResult:
     results: list[TrialResult] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    policy: dict = field(default_factory=dict)    # what the sparse policy did during the cell
 
     @property
     def accuracy(self) -> float:
@@ -107,6 +108,7 @@ async def run_cell(engine: Engine, trials: Sequence[Trial], config: str = "defau
     task, length, depth = trials[0].cell
     cell = CellResult(config, task, length, depth, [TrialResult(config, t) for t in trials])
     failures: list[BaseException] = []
+    before = engine.stats()
     start = time.perf_counter()
 
     async def one(result: TrialResult) -> None:
@@ -129,7 +131,23 @@ async def run_cell(engine: Engine, trials: Sequence[Trial], config: str = "defau
     end = time.perf_counter()
     last_first = max((r.first_token_at for r in cell.results if r.first_token_at), default=end)
     cell.prefill_s, cell.decode_s = last_first - start, end - last_first
+    cell.policy = policy_activity(before, engine.stats())
     return cell
+
+
+def policy_activity(before: dict, after: dict) -> dict:
+    """What the sparse policy did between two engine.stats(): the share of what prefill could
+    see that XAttention or MInference read, and the pages a Quest selection read on average."""
+    out = {}
+    for method, totals in (("xattention", "xattention_blocks"), ("minference", "minference_keys")):
+        if totals in after:
+            read, visible = (a - b for a, b in zip(after[totals], before[totals]))
+            out[f"{method}_density"] = round(read / visible, 4) if visible else None
+    if "quest_pages_read" in after:
+        pages = sum(after["quest_pages_read"]) - sum(before["quest_pages_read"])
+        rows = sum(after["quest_selections"]) - sum(before["quest_selections"])
+        out["quest_pages_per_selection"] = round(pages / rows, 1) if rows else None
+    return out
 
 
 async def _generate(engine: Engine, result: TrialResult) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from astream.policies import make_policy
+
 _LENGTH = re.compile(r"(\d+)([kK]?)")
 _PART = re.compile(r"([A-Za-z][\w-]*)(?::(\d+))?")
 
@@ -58,8 +60,10 @@ def parse_configs(text: str) -> list[EvalConfig]:
     """A --compare spec: items separated by commas, each item parts joined by '+'.
 
     A part is 'offload' (offload=True) or a sparse policy name with an optional ':N' budget
-    (sparse_policy=name, sparse_budget=N). Every item sets sparse_policy ('full' unless a part
-    names one) and offload (False unless a part says 'offload'), so 'full' is the plain baseline.
+    (sparse_policy=name, sparse_budget=N); two policy parts combine a prefill and a decode
+    policy ('xattention+quest:2048'). Every item sets sparse_policy ('full' unless a part
+    names one) and offload (False unless a part says 'offload'), so 'full' is the plain
+    baseline. Policy names and budgets are checked here, before any engine is built.
     """
     configs = [_parse_item(item) for item in _items(text, "--compare")]
     names = [c.name for c in configs]
@@ -70,7 +74,7 @@ def parse_configs(text: str) -> list[EvalConfig]:
 
 def _parse_item(item: str) -> EvalConfig:
     kwargs: dict = {"sparse_policy": "full", "offload": False}
-    policy_seen = False
+    policies: list[str] = []
     for part in item.split("+"):
         part = part.strip()
         if part == "offload":
@@ -82,14 +86,17 @@ def _parse_item(item: str) -> EvalConfig:
         if not match:
             raise ValueError(f"bad --compare item {item!r}: {part!r} is neither 'offload' nor a policy "
                              "name with an optional ':N' budget (e.g. 'quest:1024')")
-        if policy_seen:
-            raise ValueError(f"bad --compare item {item!r}: it names more than one sparse policy")
-        policy_seen = True
-        kwargs["sparse_policy"] = match[1]
+        policies.append(match[1])
         if match[2] is not None:
-            if int(match[2]) < 1:
-                raise ValueError(f"bad --compare item {item!r}: the budget must be a positive integer")
+            if int(match[2]) < 1 or "sparse_budget" in kwargs:
+                raise ValueError(f"bad --compare item {item!r}: give one budget, a positive integer")
             kwargs["sparse_budget"] = int(match[2])
+    if policies:
+        kwargs["sparse_policy"] = "+".join(policies)
+    try:
+        make_policy(kwargs["sparse_policy"], kwargs.get("sparse_budget"), offload=kwargs["offload"])
+    except ValueError as exc:
+        raise ValueError(f"bad --compare item {item!r}: {exc}") from None
     return EvalConfig(item.replace(" ", ""), kwargs)
 
 

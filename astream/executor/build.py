@@ -35,7 +35,8 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
         sizes = plan.offload
         offload = OffloadEngine.allocate(
             model, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
-            sizes.staging_blocks, config.max_num_seqs, dtype, runtime)
+            sizes.staging_blocks, config.max_num_seqs, dtype, runtime,
+            device_layers=policy.offload_device_layers(model.num_layers))
         return ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
     cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, dtype, device)
     graphs = None

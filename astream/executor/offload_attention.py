@@ -7,7 +7,13 @@ LSE. Loads run ahead of compute, across layer boundaries (kvcache.offload_engine
 
 On a layer where the policy selects decode pages, the decode rows' host KV does not go
 through the ring: the chosen pages are read in place from the host pool by a device
-kernel (OffloadEngine.gather_pages), so only they cross PCIe.
+kernel (OffloadEngine.gather_pages), so only they cross PCIe. Where the policy replaces
+prefill attention (a sparse prefill method, whose estimate needs every key of the
+prefix), prefill rows do not use the ring either: each chunk's prefix comes to the device
+whole (OffloadEngine.load_context) and the policy attends over prefix and chunk at once,
+exactly as on the resident path. The layers the policy
+never makes sparse (the engine's `device_layers`) keep their whole cache on the device
+and attend there as on the resident path (PagedAttention over `on_device`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from astream.executor.offload_plan import JobTemplate, OffloadStepPlan
-from astream.executor.paged_attention import prefill_attention
+from astream.executor.paged_attention import PagedAttention, prefill_attention
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
 from astream.ops.backends import AttentionBackends
 from astream.policies import DecodeQuery, PolicyRuntime
@@ -37,20 +43,23 @@ class OffloadAttention:
     plan: OffloadStepPlan
     loads: RingLoads
     sparse: list[bool]                   # per layer: decode reads selected pages
+    whole_prefill: list[bool]            # per layer: the policy replaces prefill over it all
     slots: torch.Tensor                  # [T] host-pool slot of each new token
     backends: AttentionBackends
     policy: PolicyRuntime
     scale: float
+    on_device: PagedAttention | None = None        # the engine's device layers, read in place
     gathered_view: tuple[torch.Tensor, ...] | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if layer in self.engine.device_layers:
+            return self.on_device(layer, q, k, v)
         self.engine.write_layer(layer, k, v, self.plan.new_kv)
         self.policy.on_kv_written(layer, k, self.slots)
         out, lse = self._on_device(layer, q, k, v)
-        jobs = self.plan.jobs
         if self.sparse[layer]:
             out, lse = self._selected_pages(layer, q, out, lse)
-            jobs = self.plan.sparse_jobs
+        jobs = self.plan.layer_jobs(self.sparse[layer], self.whole_prefill[layer])
         for job, slot in self.loads.layer(layer):
             out, lse = self._over_slot(layer, slot, jobs[job], q, out, lse)
         return out
@@ -59,7 +68,9 @@ class OffloadAttention:
         """The new chunks attend causally to themselves; single tokens to their tail block."""
         plan, split = self.plan, self.plan.num_prefill_tokens
         parts = []
-        if split:
+        if split and self.whole_prefill[layer] and plan.prefill_context is not None:
+            parts.append(self._whole_prefill(layer, q[:split], k[:split], v[:split]))
+        elif split:
             parts.append(prefill_attention(self.policy, self.backends, layer, q[:split], k[:split],
                                            v[:split], plan.chunk_meta, causal=True, scale=self.scale))
         if split < q.shape[0]:
@@ -70,6 +81,22 @@ class OffloadAttention:
         if len(parts) == 1:
             return parts[0][0], parts[0][1].contiguous()
         return torch.cat((parts[0][0], parts[1][0])), torch.cat((parts[0][1], parts[1][1]))
+
+    def _whole_prefill(self, layer: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill chunks over their whole context (prefix from the host pool, then
+        themselves), packed as the resident path packs it, for the policy to replace."""
+        context = self.plan.prefill_context
+        keys_k = torch.empty((context.num_keys, *k.shape[1:]), dtype=k.dtype, device=k.device)
+        keys_v = torch.empty_like(keys_k)
+        if context.prefix_blocks:
+            prefix_k, prefix_v = self.engine.load_context(layer, context.prefix_runs,
+                                                          context.prefix_blocks)
+            keys_k.index_copy_(0, context.prefix_rows, prefix_k)
+            keys_v.index_copy_(0, context.prefix_rows, prefix_v)
+        keys_k.index_copy_(0, context.chunk_rows, k)
+        keys_v.index_copy_(0, context.chunk_rows, v)
+        return prefill_attention(self.policy, self.backends, layer, q, keys_k, keys_v,
+                                 context.meta, causal=True, scale=self.scale)
 
     def _selected_pages(self, layer: int, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows over the host pages the policy chooses, gathered straight from the pool."""

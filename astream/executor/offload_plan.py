@@ -53,15 +53,38 @@ class DecodeContext:
 
 
 @dataclass(slots=True, frozen=True)
+class PrefillContext:
+    """Every prefill chunk's whole context (its prefix, from host blocks, then itself) packed
+    one sequence after another, for a policy that replaces attention over all of it at once
+    (a sparse prefill estimate needs every key of the prefix, not a ring slot of it)."""
+
+    prefix_runs: tuple[Run, ...]                   # host block -> block of the packed prefixes
+    prefix_blocks: int
+    prefix_rows: torch.Tensor | None               # [P] packed key row of each prefix token
+    chunk_rows: torch.Tensor                       # [N] packed key row of each prefill token
+    meta: VarlenMeta                               # queries: the chunks; keys: prefix + chunk
+    num_keys: int
+
+
+@dataclass(slots=True, frozen=True)
 class OffloadStepPlan:
     jobs: list[JobTemplate]                        # every row's host context, for dense layers
-    sparse_jobs: list[JobTemplate]                 # prefill rows' only: sparse decode gathers
+    prefill_jobs: list[JobTemplate]                # prefill rows' only: sparse decode gathers
+    decode_jobs: list[JobTemplate]                 # decode rows' only: prefill reads it whole
     num_prefill_tokens: int
     chunk_meta: VarlenMeta | None                  # causal attention within the new chunks
     new_kv: NewKV                                  # where the step's new KV goes
     decode_tail_tables: torch.Tensor | None        # [D, 1] each decode row's tail slot
     decode_tail_lens: torch.Tensor | None          # [D] tokens in that tail, the new one included
     decode_context: DecodeContext | None           # None without decode rows that have host KV
+    prefill_context: PrefillContext | None = None  # asked for by a policy that replaces prefill
+
+    def layer_jobs(self, sparse_decode: bool, whole_prefill: bool) -> list[JobTemplate]:
+        """The ring jobs of a layer: decode rows that select pages gather them instead, and
+        prefill rows read their whole context at once where the policy replaces prefill."""
+        if whole_prefill and self.prefill_context is not None:
+            return [] if sparse_decode else self.decode_jobs
+        return self.prefill_jobs if sparse_decode else self.jobs
 
 
 @dataclass(slots=True)
@@ -94,7 +117,13 @@ class _PlanBuilder:
     block_size: int
     slot_blocks: int
     jobs: list[JobTemplate] = field(default_factory=list)
-    sparse_jobs: list[JobTemplate] = field(default_factory=list)
+    prefill_jobs: list[JobTemplate] = field(default_factory=list)
+    decode_jobs: list[JobTemplate] = field(default_factory=list)
+    context_runs: list[Run] = field(default_factory=list)
+    context_blocks: int = 0
+    prefix_rows: list[int] = field(default_factory=list)
+    chunk_rows: list[int] = field(default_factory=list)
+    context_cu: list[int] = field(default_factory=lambda: [0])
     staging_rows: list[int] = field(default_factory=list)
     staging_index: list[int] = field(default_factory=list)
     tail_rows: list[int] = field(default_factory=list)
@@ -111,8 +140,15 @@ class _PlanBuilder:
     def prefill(self, seq, start: int, n: int, row: int, tail: int) -> None:
         bs, context_blocks = self.block_size, start // self.block_size
         assert start % bs == 0, "prefill chunks must start on a block boundary"
-        for jobs in (self.jobs, self.sparse_jobs):
+        for jobs in (self.jobs, self.prefill_jobs):
             _pack(jobs, self.slot_blocks, seq.block_table[:context_blocks], row, n, True)
+        keys = self.context_cu[-1]
+        self.context_runs += _runs(zip(seq.block_table[:context_blocks],
+                                       range(self.context_blocks, self.context_blocks + context_blocks)))
+        self.context_blocks += context_blocks
+        self.prefix_rows += range(keys, keys + start)
+        self.chunk_rows += range(keys + start, keys + start + n)
+        self.context_cu.append(keys + start + n)
         full, used = n // bs, self.staging_used
         self.staging_rows += range(row, row + full * bs)
         self.staging_index += range(used * bs, (used + full) * bs)
@@ -125,7 +161,8 @@ class _PlanBuilder:
 
     def decode(self, seq, start: int, row: int, tail: int) -> None:
         bs, context_blocks = self.block_size, start // self.block_size
-        _pack(self.jobs, self.slot_blocks, seq.block_table[:context_blocks], row, 1, False)
+        for jobs in (self.jobs, self.decode_jobs):
+            _pack(jobs, self.slot_blocks, seq.block_table[:context_blocks], row, 1, False)
         offset = start % bs
         self.tail_rows.append(row)
         self.tail_index.append(tail * bs + offset)
@@ -138,7 +175,8 @@ class _PlanBuilder:
 
 
 def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
-                       device: torch.device) -> OffloadStepPlan:
+                       device: torch.device, whole_prefill: bool = False) -> OffloadStepPlan:
+    """The step's plan; `whole_prefill` adds each prefill chunk's packed whole context."""
     plan = _PlanBuilder(block_size, slot_blocks)
     row = 0
     for item in batch.items:
@@ -148,7 +186,7 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
         else:
             plan.decode(item.seq, item.start, row, tail)
         row += item.num_tokens
-    for job in plan.jobs + plan.sparse_jobs:
+    for job in plan.jobs + plan.prefill_jobs + plan.decode_jobs:
         _finalize(job, block_size, device)
     new_kv = NewKV(staging_rows=_tensor(plan.staging_rows, torch.int64, device),
                    staging_index=_tensor(plan.staging_index, torch.int64, device),
@@ -156,11 +194,20 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
                    tail_index=_tensor(plan.tail_index, torch.int64, device),
                    staging_to_host=tuple(plan.staging_runs), tails_to_host=tuple(plan.tail_offloads))
     return OffloadStepPlan(
-        jobs=plan.jobs, sparse_jobs=plan.sparse_jobs, num_prefill_tokens=plan.chunk_cu[-1],
+        jobs=plan.jobs, prefill_jobs=plan.prefill_jobs, decode_jobs=plan.decode_jobs,
+        num_prefill_tokens=plan.chunk_cu[-1],
         chunk_meta=varlen_meta(plan.chunk_cu, plan.chunk_cu, device) if len(plan.chunk_cu) > 1 else None,
         new_kv=new_kv, decode_tail_tables=_tensor(plan.tail_tables, torch.int32, device),
         decode_tail_lens=_tensor(plan.tail_lens, torch.int32, device),
-        decode_context=_decode_context(plan, device))
+        decode_context=_decode_context(plan, device),
+        prefill_context=_prefill_context(plan, device) if whole_prefill and len(plan.chunk_cu) > 1 else None)
+
+
+def _prefill_context(plan: _PlanBuilder, device: torch.device) -> PrefillContext:
+    return PrefillContext(tuple(plan.context_runs), plan.context_blocks,
+                          _tensor(plan.prefix_rows, torch.int64, device),
+                          _tensor(plan.chunk_rows, torch.int64, device),
+                          varlen_meta(plan.chunk_cu, plan.context_cu, device), plan.context_cu[-1])
 
 
 def _decode_context(plan: _PlanBuilder, device: torch.device) -> DecodeContext | None:

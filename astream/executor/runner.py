@@ -87,7 +87,8 @@ class ModelRunner:
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
         plan = None
         if self.offload is not None:
-            plan = build_offload_plan(batch, self.block_size, self.offload.slot_blocks, self.tails, device)
+            plan = build_offload_plan(batch, self.block_size, self.offload.slot_blocks, self.tails,
+                                      device, whole_prefill=self.policy.replaces_prefill(0))
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
                             plan)
 
@@ -125,12 +126,16 @@ class ModelRunner:
         return (yield from self._layers(inputs, attend))
 
     def _offloaded_forward(self, step: PreparedStep) -> Generator[Event, None, torch.Tensor]:
-        plan = step.offload_plan
-        sparse = sparse_layers(plan, self.policy, self.decoder.config.num_layers)
-        loads = self.offload.loads([[job.runs for job in (plan.sparse_jobs if s else plan.jobs)]
-                                    for s in sparse])
-        attend = OffloadAttention(self.offload, plan, loads, sparse, step.inputs.attn.slot_mapping,
-                                  self.backends, self.policy, self.scale)
+        plan, engine, layers = step.offload_plan, self.offload, self.decoder.config.num_layers
+        sparse = sparse_layers(plan, self.policy, layers)
+        whole = [self.policy.replaces_prefill(layer) for layer in range(layers)]
+        loads = engine.loads([[] if layer in engine.device_layers else
+                              [job.runs for job in plan.layer_jobs(sparse[layer], whole[layer])]
+                              for layer in range(layers)])
+        on_device = None if engine.on_device is None else PagedAttention(
+            engine.on_device, step.inputs.attn, self.backends, self.policy, self.scale)
+        attend = OffloadAttention(engine, plan, loads, sparse, whole, step.inputs.attn.slot_mapping,
+                                  self.backends, self.policy, self.scale, on_device)
         return (yield from self._layers(step.inputs, attend))
 
     def _layers(self, inputs: StepInputs, attend) -> Generator[Event, None, torch.Tensor]:

@@ -8,13 +8,18 @@ it in one piece) and every copy between host and device is a plain block range:
 - ring: `num_slots` device buffers a layer's host KV is loaded into;
 - staging: two device buffers new KV is written to before it leaves for the host;
 - tails: one device block per running sequence and layer, holding its newest,
-  not yet full block.
+  not yet full block;
+- on_device: for the layers a sparse policy never makes sparse (`device_layers`, e.g.
+  Quest's dense layers), a device copy of their whole cache, paged by the host pool's
+  block ids. Those layers are read and written there only: their KV never crosses PCIe
+  (the resident path's attention runs on it, through `on_device`).
 
 Its whole API: `write_layer` (a layer's new KV in, and on its way to the host),
 `tails` (the device tails a layer's decode attends to), `loads` (one step's loads into
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
 when the caller is done with it, and the next load starts), `gather_pages` (chosen
-pages of a layer's host KV, read in place by the device), `pending_offloads`, and
+pages of a layer's host KV, read in place by the device), `load_context` (whole
+prefixes at once, for a sparse prefill policy), `pending_offloads`, and
 `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
 
@@ -33,6 +38,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
 from astream.ops.quest import gather_pages
 from astream.runtime.device import DeviceRuntime
@@ -88,6 +94,8 @@ class OffloadEngine:
     tail_k: list[torch.Tensor]           # per layer [max_seqs + 1, kv_heads, block_size, head_dim]
     tail_v: list[torch.Tensor]
     host_pool: PinnedHostTensor | None = None   # owns host_k/host_v's memory
+    on_device: PagedKVCache | None = None       # device copy of the layers that read everything
+    device_layers: frozenset[int] = frozenset()
     h2d: torch.cuda.Stream | None = None
     d2h: torch.cuda.Stream | None = None
     offloaded: list[Event | None] = field(default_factory=list)   # per layer: its latest D2H
@@ -98,7 +106,7 @@ class OffloadEngine:
     @classmethod
     def allocate(cls, model: ModelConfig, host_blocks: int, block_size: int, num_slots: int,
                  slot_blocks: int, staging_blocks: int, max_seqs: int, dtype: torch.dtype,
-                 runtime: DeviceRuntime) -> "OffloadEngine":
+                 runtime: DeviceRuntime, device_layers: tuple[int, ...] = ()) -> "OffloadEngine":
         shape = (model.num_kv_heads, block_size, model.head_dim)
         device, pin = runtime.device, runtime.is_cuda
 
@@ -112,9 +120,11 @@ class OffloadEngine:
         host_v = [pool.tensor[layer, 1] for layer in range(layers)]
         slots = [RingSlot(*buffers(slot_blocks, 2)) for _ in range(num_slots)]
         staging = [tuple(buffers(staging_blocks, 2)) for _ in range(2)]
+        on_device = PagedKVCache.allocate_layers(model, device_layers, host_blocks, block_size,
+                                                 dtype, device) if device_layers else None
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
-                   buffers(max_seqs + 1, layers), pool, h2d=runtime.new_stream(),
-                   d2h=runtime.new_stream(), offloaded=[None] * layers)
+                   buffers(max_seqs + 1, layers), pool, on_device, frozenset(device_layers),
+                   h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers)
 
     @property
     def slot_blocks(self) -> int:
@@ -193,6 +203,23 @@ class OffloadEngine:
         dv = torch.empty_like(dk)
         gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
         return dk, dv
+
+    def load_context(self, layer: int, runs: tuple[Run, ...],
+                     blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host blocks of a layer copied whole to the device, as token-major [blocks *
+        block_size, kv_heads, head_dim] K and V, on the compute stream (run r's blocks land
+        at r.dst). A sparse prefill estimate needs every key of a prefix at once."""
+        rt = self.runtime
+        rt.wait(self.offloaded[layer])          # a block may still be on its way to the host
+        host_k, host_v = self.host_k[layer], self.host_v[layer]
+        k = torch.empty((blocks, *host_k.shape[1:]), dtype=host_k.dtype, device=rt.device)
+        v = torch.empty_like(k)
+        for src, dst, count in runs:
+            k[dst:dst + count].copy_(host_k[src:src + count], non_blocking=True)
+            v[dst:dst + count].copy_(host_v[src:src + count], non_blocking=True)
+            self.bytes_loaded += count * self.block_bytes
+        tokens = (-1, k.shape[1], k.shape[3])
+        return k.transpose(1, 2).reshape(tokens), v.transpose(1, 2).reshape(tokens)
 
     def _load(self, slot: RingSlot, layer: int, runs: list[Run]) -> None:
         rt = self.runtime

@@ -30,6 +30,19 @@ class PagedKVCache:
         return cls(k=list(storage[:, 0].unbind(0)), v=list(storage[:, 1].unbind(0)),
                    block_size=block_size, num_blocks=num_blocks)
 
+    @classmethod
+    def allocate_layers(cls, config: ModelConfig, layers: tuple[int, ...], num_blocks: int,
+                        block_size: int, dtype: torch.dtype, device: torch.device) -> "PagedKVCache":
+        """A cache that holds only `layers` (any other layer's entries are empty tensors): the
+        device copy an offloaded engine keeps of the layers that read everything."""
+        shape = (len(layers), 2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
+        storage = torch.zeros(shape, dtype=dtype, device=device)
+        empty = torch.empty(0, dtype=dtype, device=device)
+        k, v = [empty] * config.num_layers, [empty] * config.num_layers
+        for i, layer in enumerate(layers):
+            k[layer], v[layer] = storage[i, 0], storage[i, 1]
+        return cls(k=k, v=v, block_size=block_size, num_blocks=num_blocks)
+
     @property
     def scratch_slot(self) -> int:
         return self.num_blocks * self.block_size

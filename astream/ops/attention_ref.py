@@ -8,6 +8,8 @@ as an empty partial result.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -23,6 +25,22 @@ def _softmax_rows(scores: Tensor) -> tuple[Tensor, Tensor]:
     # A row of all -inf has lse -inf; subtracting 0 instead keeps exp() at 0, not NaN.
     safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return scores.sub_(safe.unsqueeze(-1)).exp_(), lse
+
+
+def masked_attention_ref(q: Tensor, k: Tensor, v: Tensor, head_mask: Callable[[int], Tensor], *,
+                         scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q [Tq, H, D] over k/v [Tk, KVH, D] where query head h sees only the keys
+    `head_mask(h)` [Tq, Tk] (bool) keeps -> out [Tq, H, D] (q.dtype), lse [Tq, H] float32.
+    The oracle of the sparse prefill kernels: one head at a time, to bound memory."""
+    n_q, n_heads, dim = q.shape
+    group = n_heads // k.shape[1]
+    out = torch.empty(n_q, n_heads, dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device)
+    for h in range(n_heads):
+        scores = (q[:, h].float() @ k[:, h // group].float().T) * scale
+        probs, lse[:, h] = _softmax_rows(scores.masked_fill_(~head_mask(h), float("-inf")))
+        out[:, h] = (probs @ v[:, h // group].float()).to(q.dtype)
+    return out, lse
 
 
 def _heads_first(x: Tensor) -> Tensor:

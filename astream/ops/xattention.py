@@ -15,8 +15,10 @@ the fewest key blocks, highest scores first, whose scores reach `threshold`; alw
 first key block and the blocks on its causal diagonal; threshold >= 1 keeps every
 visible block, which is exactly full attention.
 
-On CUDA the block-sparse attention is a Triton kernel (astream.ops.triton_xattention);
-these torch functions are its reference and the CPU path.
+On CUDA the scoring and the block-sparse attention are Triton kernels
+(astream.ops.triton_xattention_scores, astream.ops.triton_xattention); these torch
+functions are their references and the CPU path. The reference scoring forms a
+[H, Tq/S, Tk/S] matrix, fine on the CPU's short prompts; the kernel forms none.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 from astream.ops.attention import select_decode_backend
-from astream.ops.attention_ref import _softmax_rows
+from astream.ops.attention_ref import _softmax_rows, masked_attention_ref
 
 
 def check_shape(block: int, stride: int) -> None:
@@ -118,20 +120,12 @@ def block_sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *,
                                scale: float) -> tuple[Tensor, Tensor]:
     """Causal (bottom-right) attention of q [Tq, H, D] over k/v [Tk, KVH, D] restricted to
     the key blocks mask [H, n_qb, n_kb] keeps -> out [Tq, H, D] (q.dtype), lse [Tq, H] f32."""
-    n_q, n_heads, dim = q.shape
-    n_k, kv_heads, _ = k.shape
-    group = n_heads // kv_heads
+    n_q, n_k = q.shape[0], k.shape[0]
     rows = torch.arange(n_q, device=q.device)
     cols = torch.arange(n_k, device=q.device)
     causal = cols.view(1, -1) <= rows.view(-1, 1) + (n_k - n_q)
-    out = torch.empty(n_q, n_heads, dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(n_q, n_heads, dtype=torch.float32, device=q.device)
-    for h in range(n_heads):
-        keep = mask[h][rows // block][:, cols // block] & causal
-        scores = (q[:, h].float() @ k[:, h // group].float().T) * scale
-        probs, lse[:, h] = _softmax_rows(scores.masked_fill_(~keep, float("-inf")))
-        out[:, h] = (probs @ v[:, h // group].float()).to(q.dtype)
-    return out, lse
+    return masked_attention_ref(q, k, v, lambda h: mask[h][rows // block][:, cols // block] & causal,
+                                scale=scale)
 
 
 def density(mask: Tensor, n_q: int, n_k: int, block: int) -> float:
@@ -147,3 +141,14 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, *, blo
         return triton_xattention.block_sparse_attention_triton(q, k, v, mask, block=block,
                                                                scale=scale)
     return block_sparse_attention_ref(q, k, v, mask, block=block, scale=scale)
+
+
+def antidiagonal_scores(q: Tensor, k: Tensor, *, block: int, stride: int, scale: float) -> Tensor:
+    """`antidiagonal_scores_ref`'s contract; the Triton kernel on CUDA."""
+    check_shape(block, stride)
+    groups = block // stride
+    if select_decode_backend(q.device) == "triton" and not groups & (groups - 1):
+        from astream.ops import triton_xattention_scores
+        return triton_xattention_scores.antidiagonal_scores_triton(q, k, block=block, stride=stride,
+                                                                   scale=scale)
+    return antidiagonal_scores_ref(q, k, block=block, stride=stride, scale=scale)

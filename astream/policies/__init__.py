@@ -3,23 +3,60 @@
 from __future__ import annotations
 
 from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
+from astream.policies.combined import CombinedPolicy
 from astream.policies.full import FullPolicy
+from astream.policies.minference import MInferencePolicy
 from astream.policies.quest import QuestPolicy, QuestRuntime
 from astream.policies.xattention import XAttentionPolicy
 
 POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy,
-                                            "xattention": XAttentionPolicy}
+                                            "xattention": XAttentionPolicy,
+                                            "minference": MInferencePolicy}
 
 
 def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None, *,
                 offload: bool = False) -> SparsePolicy:
     """The policy an engine option names, or the instance it is. A budget applies to a policy
-    given by name. Unknown names, bad parameters and a policy that cannot run with offload
-    (when `offload`) raise ValueError naming them."""
-    policy = _named_policy(spec, budget_tokens)
+    given by name. "prefill+decode" names combine a prefill policy with a decode policy
+    (e.g. "xattention+quest"; the budget goes to the part that takes one). Unknown names,
+    bad parameters and a policy that cannot run with offload (when `offload`) raise
+    ValueError naming them."""
+    if isinstance(spec, str) and "+" in spec:
+        policy = _combined_policy(spec, budget_tokens)
+    else:
+        policy = _named_policy(spec, budget_tokens)
     if offload and not policy.supports_offload:
         raise ValueError(f"sparse_policy {policy.name!r} does not work with offload yet")
     return policy
+
+
+def _combined_policy(spec: str, budget_tokens: int | None) -> CombinedPolicy:
+    names = [name.strip() for name in spec.split("+")]
+    if len(names) != 2:
+        raise ValueError(f"sparse_policy {spec!r}: combine exactly two policies, a prefill and "
+                         "a decode one (e.g. 'xattention+quest')")
+    classes = [POLICIES.get(name) for name in names]
+    if None in classes:
+        return _named_policy(names[classes.index(None)], None)        # raises: unknown name
+    takes = [name for name, cls in zip(names, classes) if _takes_budget(cls)]
+    if budget_tokens is not None and not takes:
+        raise ValueError(f"sparse policy {spec!r} takes no budget (sparse_budget)")
+    parts = {cls.phase: _named_policy(name, budget_tokens if name in takes else None)
+             for name, cls in zip(names, classes)}
+    if set(parts) != {"prefill", "decode"}:
+        raise ValueError(f"sparse_policy {spec!r}: combine one prefill policy "
+                         f"({', '.join(phase_policies('prefill'))}) with one decode policy "
+                         f"({', '.join(phase_policies('decode'))})")
+    return CombinedPolicy(prefill=parts["prefill"], decode=parts["decode"])
+
+
+def phase_policies(phase: str) -> list[str]:
+    """Names of the policies that make `phase` ("prefill" or "decode") sparse."""
+    return [name for name, cls in POLICIES.items() if cls.phase == phase]
+
+
+def _takes_budget(cls: type[SparsePolicy]) -> bool:
+    return "budget_tokens" in getattr(cls, "__dataclass_fields__", {})
 
 
 def _named_policy(spec: str | SparsePolicy, budget_tokens: int | None) -> SparsePolicy:
@@ -34,10 +71,11 @@ def _named_policy(spec: str | SparsePolicy, budget_tokens: int | None) -> Sparse
     cls = POLICIES[spec]
     if budget_tokens is None:
         return cls()
-    if "budget_tokens" not in getattr(cls, "__dataclass_fields__", {}):
+    if not _takes_budget(cls):
         raise ValueError(f"sparse policy {spec!r} takes no budget (sparse_budget)")
     return cls(budget_tokens=budget_tokens)
 
 
-__all__ = ["DecodeQuery", "FullPolicy", "KVLayout", "POLICIES", "PageSelection", "PolicyRuntime",
-           "QuestPolicy", "QuestRuntime", "SparsePolicy", "XAttentionPolicy", "make_policy"]
+__all__ = ["CombinedPolicy", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
+           "PageSelection", "PolicyRuntime", "QuestPolicy", "QuestRuntime", "SparsePolicy",
+           "XAttentionPolicy", "make_policy"]

@@ -76,6 +76,11 @@ class PolicyRuntime:
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return False
 
+    def replaces_prefill(self, layer: int) -> bool:
+        """Whether `prefill_attention` replaces a chunk's attention on this layer (host
+        only). With offload such a layer gets each chunk's whole context at once."""
+        return False
+
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
         raise NotImplementedError("only called when selects_decode is True")
 
@@ -94,6 +99,7 @@ class SparsePolicy:
 
     name = "base"
     supports_offload = True          # class attribute: whether it runs with the KV on the host
+    phase = ""                       # "prefill" or "decode": the phase it makes sparse
 
     def bind(self, layout: KVLayout) -> PolicyRuntime:
         return PolicyRuntime()
@@ -101,3 +107,9 @@ class SparsePolicy:
     def kv_overhead(self, num_layers: int) -> float:
         """Device bytes of metadata the policy keeps, per byte of KV in the cache."""
         return 0.0
+
+    def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers whose KV stays on the device too when the cache is offloaded: those that
+        read their whole context every decode step, while other layers read only what the
+        policy selects (loading them through the ring would dominate such a step)."""
+        return ()

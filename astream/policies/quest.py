@@ -33,6 +33,7 @@ class QuestPolicy(SparsePolicy):
     recent_pages: int = 1
     gqa_reduce: str = "max"
     name = "quest"
+    phase = "decode"
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "page_size"):
@@ -56,6 +57,10 @@ class QuestPolicy(SparsePolicy):
     def kv_overhead(self, num_layers: int) -> float:
         # min and max of K per page: 2 * K / page_size = (K + V) / page_size, on sparse layers.
         return max(0, num_layers - self.dense_layers) / max(1, num_layers) / self.page_size
+
+    def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
+        dense = min(self.dense_layers, num_layers)
+        return tuple(range(dense)) if dense < num_layers else ()
 
     def bind(self, layout: KVLayout) -> "QuestRuntime":
         ops.pages_per_block(layout.block_size, self.page_size)          # raises if they do not fit

@@ -4,20 +4,19 @@ Each prefill chunk's attention (over its prefix and itself) is estimated per blo
 block tile from strided antidiagonals, and each query block reads only the key blocks
 whose estimated attention reaches `threshold` of its total, plus its first and diagonal
 blocks (astream.ops.xattention). Decode stays Full. `threshold=1.0` is exact full attention.
-Not yet with offload: there the prefix reaches attention slot by slot through the ring,
-and the estimate would need the whole prefix's keys first.
+With offload, each chunk's prefix comes to the device whole for this (see
+executor/offload_attention.py), so both paths select the same blocks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from astream.ops import xattention as ops
-from astream.ops.varlen import VarlenMeta
-from astream.policies.base import KVLayout, PolicyRuntime, SparsePolicy
+from astream.policies.base import KVLayout, SparsePolicy
+from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,7 +25,7 @@ class XAttentionPolicy(SparsePolicy):
     block_size: int = 128
     stride: int = 8
     name = "xattention"
-    supports_offload = False
+    phase = "prefill"
 
     def __post_init__(self) -> None:
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
@@ -45,49 +44,31 @@ class XAttentionPolicy(SparsePolicy):
             raise ValueError(f"XAttentionPolicy: {exc}") from None
 
     def bind(self, layout: KVLayout) -> "XAttentionRuntime":
-        if layout.offload:
-            raise ValueError("sparse_policy 'xattention' does not work with offload yet")
-        counters = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
-        return XAttentionRuntime(self, counters)
+        return XAttentionRuntime(counters=prefill_counters(layout), policy=self)
 
 
 @dataclass(slots=True)
-class XAttentionRuntime(PolicyRuntime):
-    policy: XAttentionPolicy
-    counters: Tensor                  # [layers, 2]: blocks kept, blocks causally visible
+class XAttentionRuntime(SequencePrefillRuntime):
+    policy: XAttentionPolicy          # counters: blocks kept, blocks causally visible
 
-    def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
-                          causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:
-        if not causal:
-            return None
-        policy = self.policy
-        out = torch.empty_like(q)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        cq, ck = meta.host_cu_seqlens_q, meta.host_cu_seqlens_k
-        for seq in range(len(cq) - 1):
-            q0, q1, k0, k1 = cq[seq], cq[seq + 1], ck[seq], ck[seq + 1]
-            if q1 == q0:
-                continue
-            mask = self._mask(q[q0:q1], k[k0:k1], scale)
-            out[q0:q1], lse[q0:q1] = ops.block_sparse_attention(
-                q[q0:q1], k[k0:k1], v[k0:k1], mask, block=policy.block_size, scale=scale)
-            self.counters[layer, 0] += mask.sum()
-            self.counters[layer, 1] += ops.visible_block_count(q1 - q0, k1 - k0,
-                                                               policy.block_size) * q.shape[1]
-        return out, lse
+    def attend_sequence(self, q: Tensor, k: Tensor, v: Tensor,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
+        block = self.policy.block_size
+        mask = self._mask(q, k, scale)
+        out, lse = ops.block_sparse_attention(q, k, v, mask, block=block, scale=scale)
+        return out, lse, mask.sum(), ops.visible_block_count(q.shape[0], k.shape[0], block) * q.shape[1]
 
     def _mask(self, q: Tensor, k: Tensor, scale: float) -> Tensor:
         policy = self.policy
         n_q, n_k = q.shape[0], k.shape[0]
         if policy.threshold >= 1.0:        # exact: every visible block, nothing to estimate
             return ops.visible_mask(q.shape[1], n_q, n_k, policy.block_size, q.device)
-        scores = ops.antidiagonal_scores_ref(q, k, block=policy.block_size, stride=policy.stride,
-                                             scale=scale)
+        scores = ops.antidiagonal_scores(q, k, block=policy.block_size, stride=policy.stride,
+                                         scale=scale)
         return ops.select_blocks_ref(scores, threshold=policy.threshold, n_q=n_q, n_k=n_k,
                                      block=policy.block_size)
 
     def stats(self) -> dict:
-        """Share of the causally visible key blocks prefill read, by layer."""
-        kept, visible = self.counters.cpu().unbind(1)
-        return {"xattention_density": [round(k / v, 4) if v else None
-                                       for k, v in zip(kept.tolist(), visible.tolist())]}
+        """Share of the causally visible key blocks prefill read, by layer, and the totals
+        (blocks read, blocks visible) over every layer."""
+        return self.density_stats("xattention_density", "xattention_blocks")

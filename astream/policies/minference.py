@@ -1,0 +1,90 @@
+"""MInference, vertical-slash (Jiang et al., NeurIPS 2024): sparse prefill over the key
+columns and diagonals the chunk's last queries attend to most.
+
+Each prefill chunk's attention (over its prefix and itself) is replaced, head by head, by
+attention over the pattern of astream.ops.minference: the top `vertical_size` key columns
+(always the first `sink`) and the top `slash_size` diagonals (always the nearest `local`),
+estimated from the chunk's last `last_q` queries. The sizes are the paper's for a 128K
+context and, with `scale_with_length` (the default), shrink in proportion to the keys a
+chunk sees (never below `sink` columns and `local` diagonals), so a shorter prompt keeps
+the same share. Sizes that cover every key (e.g. `scale_with_length=False` and sizes of
+the longest prompt) are exactly full attention. Decode stays Full (or Quest, combined).
+With offload, each chunk's prefix comes to the device whole for this (see
+executor/offload_attention.py), so both paths select the same keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from astream.ops import minference as ops
+from astream.policies.base import KVLayout, SparsePolicy
+from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
+
+REFERENCE_CONTEXT = 131072       # the context the default sizes are set for
+
+
+@dataclass(slots=True, frozen=True)
+class MInferencePolicy(SparsePolicy):
+    vertical_size: int = 1000
+    slash_size: int = 6096
+    last_q: int = 64
+    sink: int = 30
+    local: int = 100
+    block_size: int = 64
+    scale_with_length: bool = True
+    name = "minference"
+    phase = "prefill"
+
+    def __post_init__(self) -> None:
+        for key in ("vertical_size", "slash_size", "last_q", "block_size"):
+            _check(key, getattr(self, key), 1)
+        for key in ("sink", "local"):
+            _check(key, getattr(self, key), 0)
+        if self.block_size & (self.block_size - 1) or self.block_size < 16:
+            raise ValueError(f"MInferencePolicy block_size must be a power of two >= 16, "
+                             f"got {self.block_size}")
+        if not isinstance(self.scale_with_length, bool):
+            raise ValueError(f"MInferencePolicy scale_with_length must be a bool, "
+                             f"got {self.scale_with_length!r}")
+
+    def sizes(self, n_k: int) -> tuple[int, int]:
+        """(columns, diagonals) kept for a chunk that sees `n_k` keys."""
+        vertical, slash = self.vertical_size, self.slash_size
+        if self.scale_with_length:
+            share = min(1.0, n_k / REFERENCE_CONTEXT)
+            vertical = max(self.sink, round(vertical * share), 1)
+            slash = max(self.local, round(slash * share), 1)
+        return min(vertical, n_k), min(slash, n_k)
+
+    def bind(self, layout: KVLayout) -> "MInferenceRuntime":
+        return MInferenceRuntime(counters=prefill_counters(layout), policy=self)
+
+
+@dataclass(slots=True)
+class MInferenceRuntime(SequencePrefillRuntime):
+    policy: MInferencePolicy          # counters: keys read, keys its query blocks could see
+
+    def attend_sequence(self, q: Tensor, k: Tensor, v: Tensor,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
+        policy, block = self.policy, self.policy.block_size
+        vertical, slash = policy.sizes(k.shape[0])
+        index = ops.vertical_slash_index(q, k, last_q=policy.last_q, vertical_size=vertical,
+                                         slash_size=slash, sink=policy.sink, local=policy.local,
+                                         scale=scale)
+        layout = ops.vertical_slash_layout(index, q.shape[0], k.shape[0], block)
+        out, lse = ops.vertical_slash_attention(q, k, v, index, block=block, scale=scale,
+                                                layout=layout)
+        return (out, lse, *ops.layout_density(layout, q.shape[0], k.shape[0], block))
+
+    def stats(self) -> dict:
+        """Share of the keys its query blocks could see that prefill read, by layer, and the
+        totals (keys read, keys visible) over every layer."""
+        return self.density_stats("minference_density", "minference_keys")
+
+
+def _check(key: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"MInferencePolicy {key} must be an integer >= {low}, got {value!r}")

@@ -1,0 +1,57 @@
+"""What the sparse prefill methods share: each replaces the causal attention of every
+sequence's prefill chunk (over its prefix and itself) and counts what it read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from astream.ops.varlen import VarlenMeta
+from astream.policies.base import KVLayout, PolicyRuntime
+
+
+def prefill_counters(layout: KVLayout) -> Tensor:
+    """[layers, 2] device counters: what prefill read, what it could see."""
+    return torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
+
+
+@dataclass(slots=True)
+class SequencePrefillRuntime(PolicyRuntime):
+    """Subclasses give `attend_sequence` for one sequence's chunk; non-causal parts (slices of
+    a prefix) are left to the engine's kernel."""
+
+    counters: Tensor                  # [layers, 2]: what prefill read, what it could see
+
+    def attend_sequence(self, q: Tensor, k: Tensor, v: Tensor,
+                        scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
+        """(out, lse, read: a device count, visible: a host count) for one chunk."""
+        raise NotImplementedError
+
+    def replaces_prefill(self, layer: int) -> bool:
+        return True
+
+    def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
+                          causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:
+        if not causal:
+            return None
+        out = torch.empty_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+        cq, ck = meta.host_cu_seqlens_q, meta.host_cu_seqlens_k
+        for seq in range(len(cq) - 1):
+            q0, q1, k0, k1 = cq[seq], cq[seq + 1], ck[seq], ck[seq + 1]
+            if q1 == q0:
+                continue
+            out[q0:q1], lse[q0:q1], read, visible = self.attend_sequence(
+                q[q0:q1], k[k0:k1], v[k0:k1], scale)
+            self.counters[layer, 0] += read
+            self.counters[layer, 1] += visible
+        return out, lse
+
+    def density_stats(self, name: str, totals: str) -> dict:
+        """`name`: per layer, the share of what prefill could see that it read; `totals`:
+        (read, visible) over every layer."""
+        read, visible = self.counters.cpu().unbind(1)
+        return {name: [round(r / v, 4) if v else None for r, v in zip(read.tolist(), visible.tolist())],
+                totals: [int(read.sum()), int(visible.sum())]}

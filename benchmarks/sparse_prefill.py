@@ -1,0 +1,219 @@
+"""XAttention sparse prefill on the GPU: its kernels against their references, attention time
+per layer against dense, and end-to-end prefill against Full.
+
+- kernels: the antidiagonal scoring, the block-sparse attention and the vertical-slash
+  attention (MInference's default sizes) against the torch references on fresh random bf16 inputs, a whole 8K square and 1K-query chunks after a
+  32K / 128K prefix (the engine's chunked-prefill case); error = max |got - ref| / max |ref|.
+- attention: one layer of a Qwen3-4B-shaped prompt (32 query / 8 KV heads, head dim 128)
+  attended chunk by chunk as the engine does (16K-token chunks, each over its prefix and
+  itself): dense (the engine's varlen kernel) against XAttention's scoring, selection and
+  sparse attention. Random inputs have no structure, so the cumulative threshold keeps
+  about that share of blocks: the thresholds sweep the density.
+- e2e: prefill of one prompt on a Qwen3-4B-shaped engine (random weights), Full and
+  XAttention (default threshold 0.9; --e2e-thresholds adds lower ones, which on random
+  weights keep about a real model's share of blocks), with the density it kept.
+
+    python benchmarks/sparse_prefill.py                  # GPU -> sparse_prefill.json
+    python benchmarks/sparse_prefill.py --smoke          # CPU, tiny sizes: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from common import Timer, save, shaped_model, smollm2  # noqa: I001
+from astream.core import EngineCore
+from astream.config import EngineConfig
+from astream.executor.inputs import varlen_meta
+from astream.ops import minference as mi
+from astream.ops import xattention as xa
+from astream.ops.backends import AttentionBackends
+from astream.ops.triton_xattention import kept_block_lists
+from astream.policies import MInferencePolicy, XAttentionPolicy
+from astream.sampling import SamplingParams
+
+HEADS, KV_HEADS, DIM = 32, 8, 128
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    finite = torch.isfinite(ref)
+    return float((got.float() - ref)[finite].abs().max() / ref[finite].abs().max().clamp(min=1e-30))
+
+
+def random_qkv(n_q: int, n_k: int, device, dtype, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    make = lambda n, h: torch.randn(n, h, DIM, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    k, v = make(n_k, KV_HEADS), make(n_k, KV_HEADS)
+    return make(n_q, HEADS), k, v
+
+
+def kernel_case(n_q: int, n_k: int, device, dtype, seed: int) -> dict:
+    q, k, v = random_qkv(n_q, n_k, device, dtype, seed)
+    scale, block, stride = DIM ** -0.5, 128, 8
+    scores = xa.antidiagonal_scores(q, k, block=block, stride=stride, scale=scale)
+    ref_scores = xa.antidiagonal_scores_ref(q, k, block=block, stride=stride, scale=scale)
+    mask = xa.select_blocks_ref(ref_scores, threshold=0.9, n_q=n_q, n_k=n_k, block=block)
+    out, lse = xa.block_sparse_attention(q, k, v, mask, block=block, scale=scale)
+    ref_out, ref_lse = xa.block_sparse_attention_ref(q, k, v, mask, block=block, scale=scale)
+    index = mi.vertical_slash_index(q, k, last_q=64, vertical_size=1000, slash_size=6096, sink=30,
+                                    local=100, scale=scale)
+    vs_out, vs_lse = mi.vertical_slash_attention(q, k, v, index, block=64, scale=scale)
+    vs_ref_out, vs_ref_lse = mi.vertical_slash_attention_ref(q, k, v, index, block=64, scale=scale)
+    return {"n_q": n_q, "n_k": n_k, "density": round(xa.density(mask, n_q, n_k, block), 4),
+            "scores_err": rel_error(scores, ref_scores), "out_err": rel_error(out, ref_out),
+            "lse_err": rel_error(lse, ref_lse), "vertical_slash_out_err": rel_error(vs_out, vs_ref_out),
+            "vertical_slash_lse_err": rel_error(vs_lse, vs_ref_lse)}
+
+
+def chunked_layer(ctx: int, chunk: int, device, dtype, attend) -> float:
+    """Seconds for one layer of a `ctx` prompt attended in `chunk`-token chunks by `attend`."""
+    q, k, v = random_qkv(ctx, ctx, device, dtype, seed=ctx)
+    total = 0.0
+    for start in range(0, ctx, chunk):
+        end = min(ctx, start + chunk)
+        meta = varlen_meta([0, end - start], [0, end], device)
+        with Timer() as t:
+            attend(q[start:end], k[:end], v[:end], meta)
+        total += t.seconds
+    return total
+
+
+def attention_rows(contexts: list[int], chunk: int, thresholds: list[float], device, dtype,
+                   repeat: int) -> list[dict]:
+    backends = AttentionBackends.select(device, dtype, DIM)
+    dense = lambda q, k, v, m: backends.varlen(q, k, v, m, causal=True, scale=DIM ** -0.5)  # noqa: E731
+    rows = []
+    for ctx in contexts:
+        chunked_layer(min(ctx, chunk), chunk, device, dtype, dense)                 # warm-up
+        times = [chunked_layer(ctx, chunk, device, dtype, dense) for _ in range(repeat)]
+        rows.append({"context": ctx, "method": "dense", "ms": _spread(times)})
+        print(rows[-1], flush=True)
+        for threshold in thresholds:
+            runtime = XAttentionPolicy(threshold=threshold).bind(_layout(device, dtype))
+            rows.append(sparse_row(ctx, chunk, device, dtype, repeat, runtime, f"xattention tau={threshold}"))
+            rows[-1].update(parts_ms(ctx, chunk, threshold, device, dtype))
+            print(rows[-1], flush=True)
+        runtime = MInferencePolicy().bind(_layout(device, dtype))
+        rows.append(sparse_row(ctx, chunk, device, dtype, repeat, runtime, "minference (defaults)"))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def sparse_row(ctx, chunk, device, dtype, repeat, runtime, name) -> dict:
+    """One layer through a sparse policy's prefill hook, and the density it kept."""
+    sparse = lambda q, k, v, m: runtime.prefill_attention(0, q, k, v, m, True, DIM ** -0.5)  # noqa: E731
+    chunked_layer(min(ctx, chunk), chunk, device, dtype, sparse)
+    runtime.counters.zero_()
+    times = [chunked_layer(ctx, chunk, device, dtype, sparse) for _ in range(repeat)]
+    kept, visible = runtime.counters[0].tolist()
+    return {"context": ctx, "method": name, "ms": _spread(times), "density": round(kept / visible, 4)}
+
+
+def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
+    """The last chunk's scoring, selection and sparse attention, each timed alone."""
+    start = max(0, ctx - chunk)
+    q, k, v = random_qkv(ctx, ctx, device, dtype, seed=ctx)
+    q, n_q = q[start:], ctx - start
+    with Timer() as score_t:
+        scores = xa.antidiagonal_scores(q, k, block=128, stride=8, scale=DIM ** -0.5)
+    with Timer() as select_t:
+        mask = xa.select_blocks_ref(scores, threshold=threshold, n_q=n_q, n_k=ctx, block=128)
+        kept_block_lists(mask)
+    with Timer() as attend_t:
+        xa.block_sparse_attention(q, k, v, mask, block=128, scale=DIM ** -0.5)
+    return {"last_chunk_ms": {"score": round(score_t.seconds * 1e3, 2),
+                              "select": round(select_t.seconds * 1e3, 2),
+                              "attend": round(attend_t.seconds * 1e3, 2)}}
+
+
+def _layout(device, dtype):
+    from astream.policies import KVLayout
+    return KVLayout(1, HEADS, KV_HEADS, DIM, 1, 16, dtype, device, offload=False)
+
+
+def _spread(seconds: list[float]) -> list[float]:
+    ordered = sorted(s * 1e3 for s in seconds)
+    return [round(ordered[0], 2), round(ordered[len(ordered) // 2], 2), round(ordered[-1], 2)]
+
+
+def e2e_rows(contexts: list[int], args, device) -> list[dict]:
+    folder = shaped_model("tiny" if args.smoke else "qwen3-4b", max(contexts) + 64)
+    rows = []
+    methods = [("full", "full")] + [(f"xattention tau={t}", XAttentionPolicy(threshold=t))
+                                    for t in args.e2e_thresholds]
+    for name, policy in methods:
+        config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
+                              device=device.type, dtype="float32" if args.smoke else "bfloat16",
+                              max_num_seqs=1, max_model_len=max(contexts) + 64, sparse_policy=policy,
+                              max_num_batched_tokens=args.chunk)
+        core = EngineCore.create(config)
+        for ctx in contexts:
+            if hasattr(core.runner.policy, "counters"):     # density of this context alone
+                core.runner.policy.counters.zero_()
+            times = [prefill_seconds(core, ctx, seed) for seed in range(args.repeat)]
+            density = core.stats().get("xattention_density")
+            rows.append({"context": ctx, "method": name, "prefill_s": [round(t, 3) for t in sorted(times)],
+                         "tok_s_median": round(ctx / sorted(times)[len(times) // 2]),
+                         "density_by_layer": density})
+            print({k: v for k, v in rows[-1].items() if k != "density_by_layer"}, flush=True)
+        core.close()
+        del core                     # the next engine sizes its cache from free memory
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_seconds(core: EngineCore, ctx: int, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(100, 49152, (ctx,), generator=gen).tolist()
+    core.runtime.synchronize()
+    start = time.perf_counter()
+    sink = core.add_request(f"p{ctx}-{seed}", prompt, SamplingParams(temperature=0, max_tokens=1))
+    while not sink.tokens:
+        core.step()
+    core.runtime.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--sections", default="kernels,attention,e2e")
+    parser.add_argument("--contexts", default="32768,65536,131072")
+    parser.add_argument("--thresholds", default="0.9,0.5,0.2,0.1")
+    parser.add_argument("--e2e-thresholds", default="0.9",
+                        help="XAttention thresholds of the e2e section (random weights keep about "
+                             "that share of blocks: a lower one stands for a real model's density)")
+    parser.add_argument("--chunk", type=int, default=16384)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--tokenizer", default=None)
+    args = parser.parse_args()
+    args.e2e_thresholds = [float(t) for t in args.e2e_thresholds.split(",")]
+    device = torch.device("cpu" if args.smoke else "cuda")
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    contexts = [512, 1024] if args.smoke else [int(c) for c in args.contexts.split(",")]
+    if args.smoke:
+        args.chunk = 256
+    sections, result = args.sections.split(","), {"chunk": args.chunk}
+    torch.set_grad_enabled(False)
+    if "kernels" in sections:
+        cases = [(256, 256), (64, 1024)] if args.smoke else [(8192, 8192), (1024, 32768), (1024, 131072)]
+        result["kernels"] = [kernel_case(n_q, n_k, device, dtype, seed) for seed, (n_q, n_k) in enumerate(cases)]
+        for row in result["kernels"]:
+            print(row, flush=True)
+    if "attention" in sections:
+        result["attention"] = attention_rows(contexts, args.chunk,
+                                             [float(t) for t in args.thresholds.split(",")],
+                                             device, dtype, args.repeat)
+    if "e2e" in sections:
+        result["e2e"] = e2e_rows(contexts, args, device)
+    save("sparse_prefill", result, smoke=args.smoke)
+
+
+if __name__ == "__main__":
+    main()
