@@ -58,7 +58,7 @@ class EngineCore:
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
         policy = make_policy(config.sparse_policy, config.sparse_budget, offload=config.offload)
         spec = _cache_spec(config, _device_kv_overhead(policy, model.decoder.config.num_layers,
-                                                       config.offload))
+                                                       config.offload), policy.sparse_prefill)
         plan = plan_cache(spec, model.decoder.config, dtype, device)   # sized after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
@@ -287,11 +287,11 @@ def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool) ->
     return policy.kv_overhead(num_layers) + mirrored
 
 
-def _cache_spec(config: EngineConfig, kv_overhead: float) -> CacheSpec:
+def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False) -> CacheSpec:
     return CacheSpec(
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, offload=config.offload,
         max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=config.offload_host_gib,
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
-        kv_overhead=kv_overhead)
+        kv_overhead=kv_overhead, whole_prefix=sparse_prefill and config.offload)

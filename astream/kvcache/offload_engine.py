@@ -208,9 +208,10 @@ class OffloadEngine:
                      blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host blocks of a layer copied whole to the device, as token-major [blocks *
         block_size, kv_heads, head_dim] K and V, on the compute stream (run r's blocks land
-        at r.dst). A sparse prefill estimate needs every key of a prefix at once."""
+        at r.dst). A sparse prefill estimate needs every key of a prefix at once. Call it
+        after the layer's `write_layer`: that made the compute stream wait for the earlier
+        steps' offloads, which wrote these blocks (this step's own new blocks are not read)."""
         rt = self.runtime
-        rt.wait(self.offloaded[layer])          # a block may still be on its way to the host
         host_k, host_v = self.host_k[layer], self.host_v[layer]
         k = torch.empty((blocks, *host_k.shape[1:]), dtype=host_k.dtype, device=rt.device)
         v = torch.empty_like(k)

@@ -34,6 +34,7 @@ class CacheSpec:
     offload_ring_slots: int = 3
     offload_slot_tokens: int | None = None
     kv_overhead: float = 0.0        # device bytes of policy metadata per byte of KV in the cache
+    whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
 
 
 @dataclass(slots=True, frozen=True)
@@ -134,14 +135,18 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
     elif device.type == "cuda":
         fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes \
             + metadata_bytes
+        if cfg.whole_prefix:     # a prefix in blocks, packed with its chunk, and K/V of both
+            fixed += 3 * -(-max_len // block) * layer_block_bytes
         spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
         slot_blocks = min(wanted, max(spare, 0) // (slots * layer_block_bytes))
     else:
         slot_blocks = min(wanted, _GiB // (slots * layer_block_bytes))
     if slot_blocks < 1:
         raise ValueError("no GPU memory left for the offload ring: one slot needs "
-                         f"{layer_block_bytes / _MiB:.1f} MiB per block; lower max_num_batched_tokens "
-                         "or offload_ring_slots, or raise gpu_memory_utilization")
+                         f"{layer_block_bytes / _MiB:.1f} MiB per block, and the sparse policy's "
+                         f"device data takes {metadata_bytes / _MiB:.0f} MiB (Quest's dense layers "
+                         "stay on the device); lower max_num_batched_tokens, offload_ring_slots, "
+                         "the host pool or the policy's dense layers, or raise gpu_memory_utilization")
     return OffloadPlan(slots, int(slot_blocks), staging_blocks)
 
 

@@ -52,9 +52,10 @@ def last_query_weights(q: Tensor, k: Tensor, last_q: int, scale: float) -> Tenso
     n_k, kv_heads, _ = k.shape
     last = min(last_q, n_q)
     rows = torch.arange(n_q - last, n_q, device=q.device) + (n_k - n_q)
-    qh = q[n_q - last:].float().transpose(0, 1)                                    # [H, L, D]
-    kh = k.float().transpose(0, 1).repeat_interleave(n_heads // kv_heads, dim=0)  # [H, Tk, D]
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    # Query heads of one KV head side by side: one matmul per KV head, no repeated keys.
+    qh = q[n_q - last:].float().transpose(0, 1).reshape(kv_heads, -1, q.shape[2])  # [KVH, G*L, D]
+    kh = k.float().transpose(0, 1)                                                  # [KVH, Tk, D]
+    scores = torch.matmul(qh, kh.transpose(1, 2)).view(n_heads, last, n_k) * scale
     hidden = torch.arange(n_k, device=q.device).view(1, -1) > rows.view(-1, 1)
     probs, _ = _softmax_rows(scores.masked_fill_(hidden, float("-inf")))
     return probs

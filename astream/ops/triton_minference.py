@@ -33,7 +33,9 @@ def _attend_keys(q, keys, visible, k_ptr, v_ptr, kvh, stride_kt, stride_kh, stri
     return _attend_tile_masked(q, k, v, visible, m_i, l_i, acc, scale_log2, USE_DOT, PRECISION)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k"])     # lengths vary by prompt: compile once
+# Lengths, and the layout strides that follow them, vary by prompt: compile once.
+@triton.jit(do_not_specialize=["n_q", "n_k", "stride_rh", "stride_rq", "stride_ch", "stride_cq",
+                               "stride_nh"])
 def _vertical_slash_kernel(
     q_ptr, k_ptr, v_ptr, run_start_ptr, run_end_ptr, run_count_ptr, col_ptr, col_count_ptr,
     out_ptr, lse_ptr, scale_log2, n_q, n_k,

@@ -18,7 +18,8 @@ from astream.ops.triton_decode import (
 )
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k"])     # lengths vary by prompt: compile once
+# Lengths, and the block-list strides that follow them, vary by prompt: compile once.
+@triton.jit(do_not_specialize=["n_q", "n_k", "stride_kept_h", "stride_kept_q", "stride_count_h"])
 def _block_sparse_kernel(
     q_ptr, k_ptr, v_ptr, kept_ptr, count_ptr, out_ptr, lse_ptr, scale_log2, n_q, n_k,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -26,7 +26,7 @@ SCRATCH_BYTES = 256 << 20   # per-block partial sums of one launch (longer chunk
 
 
 @triton.jit
-def _estimate(q_ptr, k_ptr, h, kvh, qg, q_ok, last_key, tile, scale_log2, n_q, n_k,
+def _estimate(q_ptr, k_ptr, h, kvh, qg, q_ok, last_key, tile, scale_log2, n_q, key_rows,
               stride_qt, stride_qh, stride_kt, stride_kh, HEAD_DIM: tl.constexpr,
               D_PAD: tl.constexpr, STRIDE: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr,
               PRECISION: tl.constexpr):
@@ -40,17 +40,18 @@ def _estimate(q_ptr, k_ptr, h, kvh, qg, q_ok, last_key, tile, scale_log2, n_q, n
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + h * stride_qh + dims[None, :],
                     mask=_dim_mask(q_rows < n_q, dims, HEAD_DIM, D_PAD), other=0.0)
         k = tl.load(k_ptr + k_rows[:, None] * stride_kt + kvh * stride_kh + dims[None, :],
-                    mask=_dim_mask(k_rows < n_k, dims, HEAD_DIM, D_PAD), other=0.0)
+                    mask=_dim_mask(k_rows < key_rows, dims, HEAD_DIM, D_PAD), other=0.0)
         acc += tl.dot(q.to(k.dtype), tl.trans(k), input_precision=PRECISION)
     visible = q_ok[:, None] & (kg[None, :] * STRIDE <= last_key[:, None])
     return tl.where(visible, acc * scale_log2, float("-inf"))
 
 
-# Lengths change with every prompt: specializing on them (divisible by 16 or not) would
-# compile the kernel again for new lengths in the middle of serving.
-@triton.jit(do_not_specialize=["n_q", "n_k", "n_qb", "n_kb"])
+# Lengths, and the strides that follow them, change with every prompt: specializing on them
+# (divisible by 16 or not) would compile the kernel again in the middle of serving.
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_qb", "n_kb", "key_rows", "stride_sh", "stride_sq",
+                               "stride_ph", "stride_pg", "stride_mh", "stride_mg"])
 def _antidiagonal_kernel(
-    q_ptr, k_ptr, scores_ptr, part_sum_ptr, part_max_ptr, scale_log2, n_q, n_k, n_qb, n_kb,
+    q_ptr, k_ptr, scores_ptr, part_sum_ptr, part_max_ptr, scale_log2, n_q, n_k, key_rows, n_qb, n_kb,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_sh, stride_sq,
     stride_ph, stride_pg, stride_mh, stride_mg,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, STRIDE: tl.constexpr,
@@ -75,14 +76,14 @@ def _antidiagonal_kernel(
     m_i = tl.full([QG], float("-inf"), tl.float32)
     l_i = tl.zeros([QG], tl.float32)
     for tile in range(n_tiles):
-        est = _estimate(q_ptr, k_ptr, h, kvh, qg, q_ok, last_key, tile, scale_log2, n_q, n_k,
+        est = _estimate(q_ptr, k_ptr, h, kvh, qg, q_ok, last_key, tile, scale_log2, n_q, key_rows,
                         stride_qt, stride_qh, stride_kt, stride_kh, HEAD_DIM, D_PAD, STRIDE,
                         QG, KG, PRECISION)
         m_tile = tl.max(est, axis=1)
         m_tile_safe = tl.where(m_tile == float("-inf"), 0.0, m_tile)
         block_sums = tl.sum(tl.reshape(tl.exp2(est - m_tile_safe[:, None]), (QG, KB, G)), axis=2)
         tl.store(part_sum + (tile * KB + tl.arange(0, KB))[None, :], block_sums)
-        tl.store(part_max + tile, m_tile_safe)
+        tl.store(part_max + tile, m_tile)
         m_new = tl.maximum(m_i, m_tile)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(block_sums, axis=1) * tl.exp2(m_tile_safe - m_safe)
@@ -95,7 +96,8 @@ def _antidiagonal_kernel(
     q_blocks = pid * QB + tl.arange(0, QB)
     for tile in range(n_tiles):
         k_blocks = tile * KB + tl.arange(0, KB)
-        weight = tl.exp2(tl.load(part_max + tile) - m_safe) * inv_l
+        tile_max = tl.load(part_max + tile)
+        weight = tl.where(tile_max == float("-inf"), 0.0, tl.exp2(tile_max - m_safe) * inv_l)
         probs = tl.load(part_sum + k_blocks[None, :]) * weight[:, None]
         sums = tl.sum(tl.reshape(probs, (QB, G, KB)), axis=1)
         tl.store(scores_ptr + h * stride_sh + q_blocks[:, None] * stride_sq + k_blocks[None, :],
@@ -117,29 +119,31 @@ def antidiagonal_scores_triton(q: Tensor, k: Tensor, *, block: int, stride: int,
     query_groups = max(QUERY_GROUPS, groups, MIN_DOT_DIM)
     key_groups = max(KEY_GROUPS, groups, MIN_DOT_DIM)
     # Query slices bound the scratch of per-block partial sums; a slice is whole programs
-    # (whole query blocks), and its rows see the keys up to its own last row.
+    # (whole query blocks), and its rows see the keys up to its own last row (its last key
+    # group is still read whole, as when the chunk is scored at once).
     tiles = triton.cdiv(triton.cdiv(n_k, stride), key_groups)
     row_bytes = n_heads * tiles * (key_groups // groups + 1) * 4 / stride
     rows = max(1, int(SCRATCH_BYTES // (row_bytes * query_groups * stride))) * query_groups * stride
     for start in range(0, n_q, rows):
         end = min(n_q, start + rows)
-        keys = n_k - (n_q - end)
-        _launch(q[start:end], k[:keys], scores[:, start // block:], block, stride, scale,
-                query_groups, key_groups, tiles)
+        _launch(q[start:end], k, n_k - (n_q - end), scores[:, start // block:], block, stride,
+                scale, query_groups, key_groups, tiles)
     return scores
 
 
-def _launch(q: Tensor, k: Tensor, scores: Tensor, block: int, stride: int, scale: float,
+def _launch(q: Tensor, k: Tensor, n_k: int, scores: Tensor, block: int, stride: int, scale: float,
             query_groups: int, key_groups: int, tiles: int) -> None:
+    """Score q against the first n_k keys (its causal offset is n_k - len(q))."""
     n_q, n_heads, head_dim = q.shape
-    n_k, kv_heads, _ = k.shape
+    kv_heads = k.shape[1]
+    key_rows = min(k.shape[0], triton.cdiv(n_k, stride) * stride)
     programs = triton.cdiv(triton.cdiv(n_q, stride), query_groups)
     part_sum = torch.empty(n_heads, programs * query_groups, tiles * (key_groups * stride // block),
                            dtype=torch.float32, device=q.device)
     part_max = torch.empty(n_heads, programs * query_groups, tiles, dtype=torch.float32,
                            device=q.device)
     _antidiagonal_kernel[(programs, n_heads)](
-        q, k, scores, part_sum, part_max, scale * LOG2E / stride, n_q, n_k,
+        q, k, scores, part_sum, part_max, scale * LOG2E / stride, n_q, n_k, key_rows,
         triton.cdiv(n_q, block), triton.cdiv(n_k, block), q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), scores.stride(0), scores.stride(1), part_sum.stride(0),
         part_sum.stride(1), part_max.stride(0), part_max.stride(1), GROUP=n_heads // kv_heads,

@@ -108,6 +108,11 @@ class SparsePolicy:
         """Device bytes of metadata the policy keeps, per byte of KV in the cache."""
         return 0.0
 
+    @property
+    def sparse_prefill(self) -> bool:
+        """Whether it replaces prefill attention (with offload it then reads whole prefixes)."""
+        return self.phase == "prefill"
+
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose KV stays on the device too when the cache is offloaded: those that
         read their whole context every decode step, while other layers read only what the

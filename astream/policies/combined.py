@@ -35,6 +35,10 @@ class CombinedPolicy(SparsePolicy):
     def supports_offload(self) -> bool:
         return self.prefill.supports_offload and self.decode.supports_offload
 
+    @property
+    def sparse_prefill(self) -> bool:
+        return True
+
     def kv_overhead(self, num_layers: int) -> float:
         return self.prefill.kv_overhead(num_layers) + self.decode.kv_overhead(num_layers)
 

@@ -7,7 +7,7 @@ attention over the pattern of astream.ops.minference: the top `vertical_size` ke
 estimated from the chunk's last `last_q` queries. The sizes are the paper's for a 128K
 context and, with `scale_with_length` (the default), shrink in proportion to the keys a
 chunk sees (never below `sink` columns and `local` diagonals), so a shorter prompt keeps
-the same share. Sizes that cover every key (e.g. `scale_with_length=False` and sizes of
+the same share; they never go below `sink` and `local`. Sizes that cover every key (e.g. `scale_with_length=False` and sizes of
 the longest prompt) are exactly full attention. Decode stays Full (or Quest, combined).
 With offload, each chunk's prefix comes to the device whole for this (see
 executor/offload_attention.py), so both paths select the same keys.
@@ -55,9 +55,9 @@ class MInferencePolicy(SparsePolicy):
         vertical, slash = self.vertical_size, self.slash_size
         if self.scale_with_length:
             share = min(1.0, n_k / REFERENCE_CONTEXT)
-            vertical = max(self.sink, round(vertical * share), 1)
-            slash = max(self.local, round(slash * share), 1)
-        return min(vertical, n_k), min(slash, n_k)
+            vertical, slash = round(vertical * share), round(slash * share)
+        # Never fewer than the columns and diagonals that are always kept.
+        return min(max(vertical, self.sink, 1), n_k), min(max(slash, self.local, 1), n_k)
 
     def bind(self, layout: KVLayout) -> "MInferenceRuntime":
         return MInferenceRuntime(counters=prefill_counters(layout), policy=self)
