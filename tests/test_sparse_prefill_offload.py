@@ -51,3 +51,12 @@ def test_with_offload_settings_that_cover_everything_give_fulls_tokens(smol_llm,
     want = [o.token_ids for o in smol_llm.generate(prompts, GREEDY)]
     with LLM(**KW, sparse_policy=policy, offload=True) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
+def test_prefixes_staged_in_small_pieces_give_the_same_tokens(monkeypatch):
+    from astream.executor import offload_plan
+    with LLM(**KW, sparse_policy=XATTENTION, offload=True) as llm:
+        want = [o.token_ids for o in llm.generate([LONG], GREEDY)]
+    monkeypatch.setattr(offload_plan, "PREFIX_PIECE_BLOCKS", 3)   # several pieces, one buffer
+    with LLM(**KW, sparse_policy=XATTENTION, offload=True) as llm:
+        assert [o.token_ids for o in llm.generate([LONG], GREEDY)] == want

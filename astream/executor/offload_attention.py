@@ -88,11 +88,8 @@ class OffloadAttention:
         context = self.plan.prefill_context
         keys_k = torch.empty((context.num_keys, *k.shape[1:]), dtype=k.dtype, device=k.device)
         keys_v = torch.empty_like(keys_k)
-        if context.prefix_blocks:
-            prefix_k, prefix_v = self.engine.load_context(layer, context.prefix_runs,
-                                                          context.prefix_blocks)
-            keys_k.index_copy_(0, context.prefix_rows, prefix_k)
-            keys_v.index_copy_(0, context.prefix_rows, prefix_v)
+        if context.prefix_pieces:
+            self.engine.load_context(layer, context.prefix_pieces, keys_k, keys_v)
         keys_k.index_copy_(0, context.chunk_rows, k)
         keys_v.index_copy_(0, context.chunk_rows, v)
         return prefill_attention(self.policy, self.backends, layer, q, keys_k, keys_v,

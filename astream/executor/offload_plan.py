@@ -17,6 +17,8 @@ from astream.executor.inputs import to_device, varlen_meta
 from astream.kvcache.offload_engine import NewKV, Run
 from astream.ops.varlen import VarlenMeta
 from astream.scheduler import ScheduledBatch
+
+PREFIX_PIECE_BLOCKS = 64     # host blocks one prefix copy stages on the device at a time
 from astream.sequence import SequenceStatus
 
 
@@ -58,9 +60,8 @@ class PrefillContext:
     one sequence after another, for a policy that replaces attention over all of it at once
     (a sparse prefill estimate needs every key of the prefix, not a ring slot of it)."""
 
-    prefix_runs: tuple[Run, ...]                   # host block -> block of the packed prefixes
-    prefix_blocks: int
-    prefix_rows: torch.Tensor | None               # [P] packed key row of each prefix token
+    prefix_pieces: tuple[Run, ...]                 # host blocks -> first packed key row, at most
+                                                   # PREFIX_PIECE_BLOCKS each
     chunk_rows: torch.Tensor                       # [N] packed key row of each prefill token
     meta: VarlenMeta                               # queries: the chunks; keys: prefix + chunk
     num_keys: int
@@ -119,9 +120,7 @@ class _PlanBuilder:
     jobs: list[JobTemplate] = field(default_factory=list)
     prefill_jobs: list[JobTemplate] = field(default_factory=list)
     decode_jobs: list[JobTemplate] = field(default_factory=list)
-    context_runs: list[Run] = field(default_factory=list)
-    context_blocks: int = 0
-    prefix_rows: list[int] = field(default_factory=list)
+    prefix_pieces: list[Run] = field(default_factory=list)
     chunk_rows: list[int] = field(default_factory=list)
     context_cu: list[int] = field(default_factory=lambda: [0])
     staging_rows: list[int] = field(default_factory=list)
@@ -143,10 +142,10 @@ class _PlanBuilder:
         for jobs in (self.jobs, self.prefill_jobs):
             _pack(jobs, self.slot_blocks, seq.block_table[:context_blocks], row, n, True)
         keys = self.context_cu[-1]
-        self.context_runs += _runs(zip(seq.block_table[:context_blocks],
-                                       range(self.context_blocks, self.context_blocks + context_blocks)))
-        self.context_blocks += context_blocks
-        self.prefix_rows += range(keys, keys + start)
+        for run in _runs(zip(seq.block_table[:context_blocks], range(context_blocks))):
+            for first in range(0, run.count, PREFIX_PIECE_BLOCKS):
+                count = min(PREFIX_PIECE_BLOCKS, run.count - first)
+                self.prefix_pieces.append(Run(run.src + first, keys + (run.dst + first) * bs, count))
         self.chunk_rows += range(keys + start, keys + start + n)
         self.context_cu.append(keys + start + n)
         full, used = n // bs, self.staging_used
@@ -204,9 +203,7 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
 
 
 def _prefill_context(plan: _PlanBuilder, device: torch.device) -> PrefillContext:
-    return PrefillContext(tuple(plan.context_runs), plan.context_blocks,
-                          _tensor(plan.prefix_rows, torch.int64, device),
-                          _tensor(plan.chunk_rows, torch.int64, device),
+    return PrefillContext(tuple(plan.prefix_pieces), _tensor(plan.chunk_rows, torch.int64, device),
                           varlen_meta(plan.chunk_cu, plan.context_cu, device), plan.context_cu[-1])
 
 

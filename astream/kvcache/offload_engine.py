@@ -204,23 +204,28 @@ class OffloadEngine:
         gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
         return dk, dv
 
-    def load_context(self, layer: int, runs: tuple[Run, ...],
-                     blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host blocks of a layer copied whole to the device, as token-major [blocks *
-        block_size, kv_heads, head_dim] K and V, on the compute stream (run r's blocks land
-        at r.dst). A sparse prefill estimate needs every key of a prefix at once. Call it
-        after the layer's `write_layer`: that made the compute stream wait for the earlier
-        steps' offloads, which wrote these blocks (this step's own new blocks are not read)."""
-        rt = self.runtime
+    def load_context(self, layer: int, pieces: tuple[Run, ...], keys_k: torch.Tensor,
+                     keys_v: torch.Tensor) -> None:
+        """Host blocks of a layer copied whole into token-major key rows on the device, on the
+        compute stream: piece (src, dst, count) puts blocks src.. at rows dst.. of keys_k/v
+        ([rows, kv_heads, head_dim]). One piece at a time is staged head-major on the device.
+        A sparse prefill estimate needs every key of a prefix at once. Call it after the
+        layer's `write_layer`, which made the compute stream wait for the earlier steps'
+        offloads that wrote these blocks (this step's own new blocks are not read)."""
         host_k, host_v = self.host_k[layer], self.host_v[layer]
-        k = torch.empty((blocks, *host_k.shape[1:]), dtype=host_k.dtype, device=rt.device)
-        v = torch.empty_like(k)
-        for src, dst, count in runs:
-            k[dst:dst + count].copy_(host_k[src:src + count], non_blocking=True)
-            v[dst:dst + count].copy_(host_v[src:src + count], non_blocking=True)
+        largest = max(piece.count for piece in pieces)
+        stage_k = torch.empty((largest, *host_k.shape[1:]), dtype=host_k.dtype, device=keys_k.device)
+        stage_v = torch.empty_like(stage_k)
+        block = host_k.shape[2]
+        for src, dst, count in pieces:
+            # Stream order makes reusing the staging buffers safe: each copy out of them is
+            # enqueued before the next load into them.
+            stage_k[:count].copy_(host_k[src:src + count], non_blocking=True)
+            stage_v[:count].copy_(host_v[src:src + count], non_blocking=True)
+            rows = slice(dst, dst + count * block)
+            keys_k[rows].view(count, block, *keys_k.shape[1:]).copy_(stage_k[:count].transpose(1, 2))
+            keys_v[rows].view(count, block, *keys_v.shape[1:]).copy_(stage_v[:count].transpose(1, 2))
             self.bytes_loaded += count * self.block_bytes
-        tokens = (-1, k.shape[1], k.shape[3])
-        return k.transpose(1, 2).reshape(tokens), v.transpose(1, 2).reshape(tokens)
 
     def _load(self, slot: RingSlot, layer: int, runs: list[Run]) -> None:
         rt = self.runtime
