@@ -56,7 +56,7 @@ class EngineCore:
         checkpoint = open_checkpoint(path, config.load_format)
         check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
-        policy = make_policy(config.sparse_policy, config.sparse_budget, offload=config.offload)
+        policy = make_policy(config.sparse_policy, config.sparse_budget)
         spec = _cache_spec(config, _device_kv_overhead(policy, model.decoder.config.num_layers,
                                                        config.offload), policy.sparse_prefill)
         plan = plan_cache(spec, model.decoder.config, dtype, device)   # sized after the weights

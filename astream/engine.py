@@ -50,8 +50,7 @@ class Engine:
         """Validate engine options without loading anything: the EngineConfig they make, or a
         TypeError / ValueError naming the bad option."""
         engine_config = EngineConfig.from_kwargs(model, **config)
-        make_policy(engine_config.sparse_policy, engine_config.sparse_budget,
-                    offload=engine_config.offload)
+        make_policy(engine_config.sparse_policy, engine_config.sparse_budget)
         return engine_config
 
     # ---- lifecycle ------------------------------------------------------------------

@@ -72,6 +72,19 @@ def test_offload_keeps_the_dense_layers_on_the_device_and_decodes_without_the_ri
     assert got == want
 
 
+def test_offload_steps_that_mix_sparse_decode_with_chunked_prefill_match_resident():
+    """One sequence decodes (selecting pages) in the same steps as another's prefill chunks
+    read their prefix through the ring: offload gives resident's tokens."""
+    other = LONG.replace("stones", "pebbles")
+    results = []
+    for offload in (False, True):
+        with quest_llm(offload, budget=128, max_num_batched_tokens=256) as llm:
+            outs = llm.generate([LONG, other], GREEDY)
+            assert sum(llm.stats()["quest_selections"]) > 0
+        results.append([o.token_ids for o in outs])
+    assert results[0] == results[1]
+
+
 def test_blocks_come_back_after_preemption_prefix_hits_and_cancels_with_quest():
     prompts = [f"Count slowly from {i} to {i + 30}:" for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

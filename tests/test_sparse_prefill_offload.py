@@ -54,9 +54,9 @@ def test_with_offload_settings_that_cover_everything_give_fulls_tokens(smol_llm,
 
 
 def test_prefixes_staged_in_small_pieces_give_the_same_tokens(monkeypatch):
-    from astream.executor import offload_plan
+    from astream.kvcache import offload_engine
     with LLM(**KW, sparse_policy=XATTENTION, offload=True) as llm:
         want = [o.token_ids for o in llm.generate([LONG], GREEDY)]
-    monkeypatch.setattr(offload_plan, "PREFIX_PIECE_BLOCKS", 3)   # several pieces, one buffer
+    monkeypatch.setattr(offload_engine, "CONTEXT_STAGE_BLOCKS", 3)   # several pieces, one buffer
     with LLM(**KW, sparse_policy=XATTENTION, offload=True) as llm:
         assert [o.token_ids for o in llm.generate([LONG], GREEDY)] == want

@@ -94,7 +94,7 @@ def _parse_item(item: str) -> EvalConfig:
     if policies:
         kwargs["sparse_policy"] = "+".join(policies)
     try:
-        make_policy(kwargs["sparse_policy"], kwargs.get("sparse_budget"), offload=kwargs["offload"])
+        make_policy(kwargs["sparse_policy"], kwargs.get("sparse_budget"))
     except ValueError as exc:
         raise ValueError(f"bad --compare item {item!r}: {exc}") from None
     return EvalConfig(item.replace(" ", ""), kwargs)

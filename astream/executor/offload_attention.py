@@ -43,7 +43,6 @@ class OffloadAttention:
     plan: OffloadStepPlan
     loads: RingLoads
     sparse: list[bool]                   # per layer: decode reads selected pages
-    whole_prefill: list[bool]            # per layer: the policy replaces prefill over it all
     slots: torch.Tensor                  # [T] host-pool slot of each new token
     backends: AttentionBackends
     policy: PolicyRuntime
@@ -59,7 +58,7 @@ class OffloadAttention:
         out, lse = self._on_device(layer, q, k, v)
         if self.sparse[layer]:
             out, lse = self._selected_pages(layer, q, out, lse)
-        jobs = self.plan.layer_jobs(self.sparse[layer], self.whole_prefill[layer])
+        jobs = self.plan.layer_jobs(layer, self.sparse[layer])
         for job, slot in self.loads.layer(layer):
             out, lse = self._over_slot(layer, slot, jobs[job], q, out, lse)
         return out
@@ -68,7 +67,7 @@ class OffloadAttention:
         """The new chunks attend causally to themselves; single tokens to their tail block."""
         plan, split = self.plan, self.plan.num_prefill_tokens
         parts = []
-        if split and self.whole_prefill[layer] and plan.prefill_context is not None:
+        if split and plan.reads_whole_prefill(layer):
             parts.append(self._whole_prefill(layer, q[:split], k[:split], v[:split]))
         elif split:
             parts.append(prefill_attention(self.policy, self.backends, layer, q[:split], k[:split],
@@ -88,8 +87,8 @@ class OffloadAttention:
         context = self.plan.prefill_context
         keys_k = torch.empty((context.num_keys, *k.shape[1:]), dtype=k.dtype, device=k.device)
         keys_v = torch.empty_like(keys_k)
-        if context.prefix_pieces:
-            self.engine.load_context(layer, context.prefix_pieces, keys_k, keys_v)
+        if context.prefix_runs:
+            self.engine.load_context(layer, context.prefix_runs, keys_k, keys_v)
         keys_k.index_copy_(0, context.chunk_rows, k)
         keys_v.index_copy_(0, context.chunk_rows, v)
         return prefill_attention(self.policy, self.backends, layer, q, keys_k, keys_v,

@@ -17,8 +17,6 @@ from astream.executor.inputs import to_device, varlen_meta
 from astream.kvcache.offload_engine import NewKV, Run
 from astream.ops.varlen import VarlenMeta
 from astream.scheduler import ScheduledBatch
-
-PREFIX_PIECE_BLOCKS = 64     # host blocks one prefix copy stages on the device at a time
 from astream.sequence import SequenceStatus
 
 
@@ -60,8 +58,7 @@ class PrefillContext:
     one sequence after another, for a policy that replaces attention over all of it at once
     (a sparse prefill estimate needs every key of the prefix, not a ring slot of it)."""
 
-    prefix_pieces: tuple[Run, ...]                 # host blocks -> first packed key row, at most
-                                                   # PREFIX_PIECE_BLOCKS each
+    prefix_runs: tuple[Run, ...]                   # host blocks -> their first packed key row
     chunk_rows: torch.Tensor                       # [N] packed key row of each prefill token
     meta: VarlenMeta                               # queries: the chunks; keys: prefix + chunk
     num_keys: int
@@ -79,11 +76,15 @@ class OffloadStepPlan:
     decode_tail_lens: torch.Tensor | None          # [D] tokens in that tail, the new one included
     decode_context: DecodeContext | None           # None without decode rows that have host KV
     prefill_context: PrefillContext | None = None  # asked for by a policy that replaces prefill
+    whole_prefill: tuple[bool, ...] = ()           # per layer: prefill rows use prefill_context
 
-    def layer_jobs(self, sparse_decode: bool, whole_prefill: bool) -> list[JobTemplate]:
+    def reads_whole_prefill(self, layer: int) -> bool:
+        return self.prefill_context is not None and self.whole_prefill[layer]
+
+    def layer_jobs(self, layer: int, sparse_decode: bool) -> list[JobTemplate]:
         """The ring jobs of a layer: decode rows that select pages gather them instead, and
         prefill rows read their whole context at once where the policy replaces prefill."""
-        if whole_prefill and self.prefill_context is not None:
+        if self.reads_whole_prefill(layer):
             return [] if sparse_decode else self.decode_jobs
         return self.prefill_jobs if sparse_decode else self.jobs
 
@@ -117,10 +118,12 @@ class _PlanBuilder:
 
     block_size: int
     slot_blocks: int
+    sparse_decode: bool              # build prefill_jobs: decode rows may gather their pages
+    whole_prefill: bool              # build decode_jobs and the prefill context
     jobs: list[JobTemplate] = field(default_factory=list)
     prefill_jobs: list[JobTemplate] = field(default_factory=list)
     decode_jobs: list[JobTemplate] = field(default_factory=list)
-    prefix_pieces: list[Run] = field(default_factory=list)
+    prefix_runs: list[Run] = field(default_factory=list)
     chunk_rows: list[int] = field(default_factory=list)
     context_cu: list[int] = field(default_factory=lambda: [0])
     staging_rows: list[int] = field(default_factory=list)
@@ -139,15 +142,14 @@ class _PlanBuilder:
     def prefill(self, seq, start: int, n: int, row: int, tail: int) -> None:
         bs, context_blocks = self.block_size, start // self.block_size
         assert start % bs == 0, "prefill chunks must start on a block boundary"
-        for jobs in (self.jobs, self.prefill_jobs):
+        for jobs in (self.jobs, self.prefill_jobs) if self.sparse_decode else (self.jobs,):
             _pack(jobs, self.slot_blocks, seq.block_table[:context_blocks], row, n, True)
-        keys = self.context_cu[-1]
-        for run in _runs(zip(seq.block_table[:context_blocks], range(context_blocks))):
-            for first in range(0, run.count, PREFIX_PIECE_BLOCKS):
-                count = min(PREFIX_PIECE_BLOCKS, run.count - first)
-                self.prefix_pieces.append(Run(run.src + first, keys + (run.dst + first) * bs, count))
-        self.chunk_rows += range(keys + start, keys + start + n)
-        self.context_cu.append(keys + start + n)
+        if self.whole_prefill:
+            keys = self.context_cu[-1]
+            self.prefix_runs += [Run(run.src, keys + run.dst * bs, run.count) for run in
+                                 _runs(zip(seq.block_table[:context_blocks], range(context_blocks)))]
+            self.chunk_rows += range(keys + start, keys + start + n)
+            self.context_cu.append(keys + start + n)
         full, used = n // bs, self.staging_used
         self.staging_rows += range(row, row + full * bs)
         self.staging_index += range(used * bs, (used + full) * bs)
@@ -160,7 +162,7 @@ class _PlanBuilder:
 
     def decode(self, seq, start: int, row: int, tail: int) -> None:
         bs, context_blocks = self.block_size, start // self.block_size
-        for jobs in (self.jobs, self.decode_jobs):
+        for jobs in (self.jobs, self.decode_jobs) if self.whole_prefill else (self.jobs,):
             _pack(jobs, self.slot_blocks, seq.block_table[:context_blocks], row, 1, False)
         offset = start % bs
         self.tail_rows.append(row)
@@ -174,9 +176,12 @@ class _PlanBuilder:
 
 
 def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
-                       device: torch.device, whole_prefill: bool = False) -> OffloadStepPlan:
-    """The step's plan; `whole_prefill` adds each prefill chunk's packed whole context."""
-    plan = _PlanBuilder(block_size, slot_blocks)
+                       device: torch.device, sparse_decode: bool = False,
+                       whole_prefill: tuple[bool, ...] = ()) -> OffloadStepPlan:
+    """The step's plan. The jobs that sparse decode layers (`sparse_decode`: some layer may
+    select pages) and whole-prefill layers (`whole_prefill`, per layer) read are built only
+    when the policy may ask for them."""
+    plan = _PlanBuilder(block_size, slot_blocks, sparse_decode, any(whole_prefill))
     row = 0
     for item in batch.items:
         tail = tails.slot_for(item.seq)
@@ -199,11 +204,12 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
         new_kv=new_kv, decode_tail_tables=_tensor(plan.tail_tables, torch.int32, device),
         decode_tail_lens=_tensor(plan.tail_lens, torch.int32, device),
         decode_context=_decode_context(plan, device),
-        prefill_context=_prefill_context(plan, device) if whole_prefill and len(plan.chunk_cu) > 1 else None)
+        prefill_context=_prefill_context(plan, device) if plan.whole_prefill and len(plan.chunk_cu) > 1
+        else None, whole_prefill=whole_prefill)
 
 
 def _prefill_context(plan: _PlanBuilder, device: torch.device) -> PrefillContext:
-    return PrefillContext(tuple(plan.prefix_pieces), _tensor(plan.chunk_rows, torch.int64, device),
+    return PrefillContext(tuple(plan.prefix_runs), _tensor(plan.chunk_rows, torch.int64, device),
                           varlen_meta(plan.chunk_cu, plan.context_cu, device), plan.context_cu[-1])
 
 

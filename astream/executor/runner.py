@@ -87,8 +87,11 @@ class ModelRunner:
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
         plan = None
         if self.offload is not None:
-            plan = build_offload_plan(batch, self.block_size, self.offload.slot_blocks, self.tails,
-                                      device, whole_prefill=self.policy.replaces_prefill(0))
+            layers = range(self.decoder.config.num_layers)
+            plan = build_offload_plan(
+                batch, self.block_size, self.offload.slot_blocks, self.tails, device,
+                sparse_decode=self.policy.may_select_decode(),
+                whole_prefill=tuple(self.policy.replaces_prefill(layer) for layer in layers))
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
                             plan)
 
@@ -128,13 +131,12 @@ class ModelRunner:
     def _offloaded_forward(self, step: PreparedStep) -> Generator[Event, None, torch.Tensor]:
         plan, engine, layers = step.offload_plan, self.offload, self.decoder.config.num_layers
         sparse = sparse_layers(plan, self.policy, layers)
-        whole = [self.policy.replaces_prefill(layer) for layer in range(layers)]
         loads = engine.loads([[] if layer in engine.device_layers else
-                              [job.runs for job in plan.layer_jobs(sparse[layer], whole[layer])]
+                              [job.runs for job in plan.layer_jobs(layer, sparse[layer])]
                               for layer in range(layers)])
         on_device = None if engine.on_device is None else PagedAttention(
             engine.on_device, step.inputs.attn, self.backends, self.policy, self.scale)
-        attend = OffloadAttention(engine, plan, loads, sparse, whole, step.inputs.attn.slot_mapping,
+        attend = OffloadAttention(engine, plan, loads, sparse, step.inputs.attn.slot_mapping,
                                   self.backends, self.policy, self.scale, on_device)
         return (yield from self._layers(step.inputs, attend))
 

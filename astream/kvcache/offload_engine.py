@@ -45,6 +45,8 @@ from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 from astream.runtime.pinned import PinnedHostTensor
 
+CONTEXT_STAGE_BLOCKS = 64     # host blocks load_context stages on the device at a time
+
 
 class Run(NamedTuple):
     """A copy of `count` consecutive blocks, from block `src` of one buffer to block `dst`
@@ -204,19 +206,21 @@ class OffloadEngine:
         gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
         return dk, dv
 
-    def load_context(self, layer: int, pieces: tuple[Run, ...], keys_k: torch.Tensor,
+    def load_context(self, layer: int, runs: tuple[Run, ...], keys_k: torch.Tensor,
                      keys_v: torch.Tensor) -> None:
         """Host blocks of a layer copied whole into token-major key rows on the device, on the
-        compute stream: piece (src, dst, count) puts blocks src.. at rows dst.. of keys_k/v
-        ([rows, kv_heads, head_dim]). One piece at a time is staged head-major on the device.
-        A sparse prefill estimate needs every key of a prefix at once. Call it after the
-        layer's `write_layer`, which made the compute stream wait for the earlier steps'
-        offloads that wrote these blocks (this step's own new blocks are not read)."""
+        compute stream: run (src, dst, count) puts blocks src.. at rows dst.. of keys_k/v
+        ([rows, kv_heads, head_dim]), staged head-major on the device CONTEXT_STAGE_BLOCKS
+        at a time. A sparse prefill estimate needs every key of a prefix at once. Call it
+        after the layer's `write_layer`, which made the compute stream wait for the earlier
+        steps' offloads that wrote these blocks (this step's own new blocks are not read)."""
         host_k, host_v = self.host_k[layer], self.host_v[layer]
-        largest = max(piece.count for piece in pieces)
+        block, stage = host_k.shape[2], CONTEXT_STAGE_BLOCKS
+        pieces = [(src + first, dst + first * block, min(stage, count - first))
+                  for src, dst, count in runs for first in range(0, count, stage)]
+        largest = max(count for _, _, count in pieces)
         stage_k = torch.empty((largest, *host_k.shape[1:]), dtype=host_k.dtype, device=keys_k.device)
         stage_v = torch.empty_like(stage_k)
-        block = host_k.shape[2]
         for src, dst, count in pieces:
             # Stream order makes reusing the staging buffers safe: each copy out of them is
             # enqueued before the next load into them.

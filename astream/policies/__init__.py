@@ -14,20 +14,15 @@ POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPol
                                             "minference": MInferencePolicy}
 
 
-def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None, *,
-                offload: bool = False) -> SparsePolicy:
+def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> SparsePolicy:
     """The policy an engine option names, or the instance it is. A budget applies to a policy
     given by name. "prefill+decode" names combine a prefill policy with a decode policy
-    (e.g. "xattention+quest"; the budget goes to the part that takes one). Unknown names,
-    bad parameters and a policy that cannot run with offload (when `offload`) raise
-    ValueError naming them."""
+    (e.g. "xattention+quest"; the budget goes to the part that takes one). Unknown names
+    and bad parameters raise ValueError naming them. Every policy runs resident and with
+    offload."""
     if isinstance(spec, str) and "+" in spec:
-        policy = _combined_policy(spec, budget_tokens)
-    else:
-        policy = _named_policy(spec, budget_tokens)
-    if offload and not policy.supports_offload:
-        raise ValueError(f"sparse_policy {policy.name!r} does not work with offload yet")
-    return policy
+        return _combined_policy(spec, budget_tokens)
+    return _named_policy(spec, budget_tokens)
 
 
 def _combined_policy(spec: str, budget_tokens: int | None) -> CombinedPolicy:

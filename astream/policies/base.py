@@ -76,6 +76,11 @@ class PolicyRuntime:
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return False
 
+    def may_select_decode(self) -> bool:
+        """Whether some layer may ever select decode pages (host only): an offloaded step then
+        also packs the ring jobs of prefill rows alone."""
+        return False
+
     def replaces_prefill(self, layer: int) -> bool:
         """Whether `prefill_attention` replaces a chunk's attention on this layer (host
         only). With offload such a layer gets each chunk's whole context at once."""
@@ -94,11 +99,16 @@ class PolicyRuntime:
         return {}
 
 
+def check_int(owner: str, key: str, value: object, low: int) -> None:
+    """A policy parameter that must be an integer >= low (a bool is not one)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{owner} {key} must be an integer >= {low}, got {value!r}")
+
+
 class SparsePolicy:
     """A sparse-attention method with its parameters; see the module docstring."""
 
     name = "base"
-    supports_offload = True          # class attribute: whether it runs with the KV on the host
     phase = ""                       # "prefill" or "decode": the phase it makes sparse
 
     def bind(self, layout: KVLayout) -> PolicyRuntime:

@@ -32,10 +32,6 @@ class CombinedPolicy(SparsePolicy):
         return f"{self.prefill.name}+{self.decode.name}"
 
     @property
-    def supports_offload(self) -> bool:
-        return self.prefill.supports_offload and self.decode.supports_offload
-
-    @property
     def sparse_prefill(self) -> bool:
         return True
 
@@ -60,6 +56,9 @@ class CombinedRuntime(PolicyRuntime):
 
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return self.decode.selects_decode(layer, max_context)
+
+    def may_select_decode(self) -> bool:
+        return self.decode.may_select_decode()
 
     def replaces_prefill(self, layer: int) -> bool:
         return self.prefill.replaces_prefill(layer)

@@ -6,9 +6,9 @@ attention over the pattern of astream.ops.minference: the top `vertical_size` ke
 (always the first `sink`) and the top `slash_size` diagonals (always the nearest `local`),
 estimated from the chunk's last `last_q` queries. The sizes are the paper's for a 128K
 context and, with `scale_with_length` (the default), shrink in proportion to the keys a
-chunk sees (never below `sink` columns and `local` diagonals), so a shorter prompt keeps
-the same share; they never go below `sink` and `local`. Sizes that cover every key (e.g. `scale_with_length=False` and sizes of
-the longest prompt) are exactly full attention. Decode stays Full (or Quest, combined).
+chunk sees, so a shorter prompt keeps the same share; they never go below `sink` columns
+and `local` diagonals. Sizes that cover every key (e.g. `scale_with_length=False` and
+sizes of the longest prompt) are exactly full attention. Decode stays Full (or Quest, combined).
 With offload, each chunk's prefix comes to the device whole for this (see
 executor/offload_attention.py), so both paths select the same keys.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from astream.ops import minference as ops
-from astream.policies.base import KVLayout, SparsePolicy
+from astream.policies.base import KVLayout, SparsePolicy, check_int
 from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
 
 REFERENCE_CONTEXT = 131072       # the context the default sizes are set for
@@ -40,9 +40,9 @@ class MInferencePolicy(SparsePolicy):
 
     def __post_init__(self) -> None:
         for key in ("vertical_size", "slash_size", "last_q", "block_size"):
-            _check(key, getattr(self, key), 1)
+            check_int("MInferencePolicy", key, getattr(self, key), 1)
         for key in ("sink", "local"):
-            _check(key, getattr(self, key), 0)
+            check_int("MInferencePolicy", key, getattr(self, key), 0)
         if self.block_size & (self.block_size - 1) or self.block_size < 16:
             raise ValueError(f"MInferencePolicy block_size must be a power of two >= 16, "
                              f"got {self.block_size}")
@@ -84,7 +84,3 @@ class MInferenceRuntime(SequencePrefillRuntime):
         totals (keys read, keys visible) over every layer."""
         return self.density_stats("minference_density", "minference_keys")
 
-
-def _check(key: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"MInferencePolicy {key} must be an integer >= {low}, got {value!r}")

@@ -21,7 +21,9 @@ from torch import Tensor
 
 from astream.ops import quest as ops
 from astream.ops.quest_select import select_decode_pages
-from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
+from astream.policies.base import (
+    DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy, check_int,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -37,9 +39,9 @@ class QuestPolicy(SparsePolicy):
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "page_size"):
-            _check(key, getattr(self, key), 1)
+            check_int("QuestPolicy", key, getattr(self, key), 1)
         for key in ("dense_layers", "sink_pages", "recent_pages"):
-            _check(key, getattr(self, key), 0)
+            check_int("QuestPolicy", key, getattr(self, key), 0)
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"QuestPolicy page_size must be a power of two, got {self.page_size}")
         if self.budget_tokens < self.page_size * max(1, self.sink_pages + self.recent_pages):
@@ -84,6 +86,9 @@ class QuestRuntime(PolicyRuntime):
             kmin, kmax = self.bounds[layer]
             ops.update_page_bounds(kmin, kmax, keys, slots, self.policy.page_size)
 
+    def may_select_decode(self) -> bool:
+        return any(bounds is not None for bounds in self.bounds)
+
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return self.bounds[layer] is not None and max_context > self.policy.budget_tokens
 
@@ -104,7 +109,3 @@ class QuestRuntime(PolicyRuntime):
         pages, rows = self.counters.cpu().unbind(1)
         return {"quest_pages_read": pages.tolist(), "quest_selections": rows.tolist()}
 
-
-def _check(key: str, value: object, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"QuestPolicy {key} must be an integer >= {low}, got {value!r}")

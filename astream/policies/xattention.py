@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from astream.ops import xattention as ops
-from astream.policies.base import KVLayout, SparsePolicy
+from astream.policies.base import KVLayout, SparsePolicy, check_int
 from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
 
 
@@ -32,9 +32,7 @@ class XAttentionPolicy(SparsePolicy):
                 or not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"XAttentionPolicy threshold must be in (0, 1], got {self.threshold!r}")
         for key in ("block_size", "stride"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"XAttentionPolicy {key} must be a positive integer, got {value!r}")
+            check_int("XAttentionPolicy", key, getattr(self, key), 1)
         if self.block_size & (self.block_size - 1) or self.block_size < 16:
             raise ValueError(f"XAttentionPolicy block_size must be a power of two >= 16, "
                              f"got {self.block_size}")
