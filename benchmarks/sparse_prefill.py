@@ -11,7 +11,8 @@ per layer against dense, and end-to-end prefill against Full.
   about that share of blocks: the thresholds sweep the density.
 - e2e: prefill of one prompt on a Qwen3-4B-shaped engine (random weights), Full and
   XAttention (default threshold 0.9; --e2e-thresholds adds lower ones, which on random
-  weights keep about a real model's share of blocks), with the density it kept.
+  weights keep about a real model's share of blocks), with the density it kept;
+  --e2e-offload runs each method with the KV cache offloaded too (bytes loaded per prefill).
 
     python benchmarks/sparse_prefill.py                  # GPU -> sparse_prefill.json
     python benchmarks/sparse_prefill.py --smoke          # CPU, tiny sizes: checks the script
@@ -84,7 +85,7 @@ def chunked_layer(ctx: int, chunk: int, device, dtype, attend) -> float:
 
 
 def attention_rows(contexts: list[int], chunk: int, thresholds: list[float], device, dtype,
-                   repeat: int) -> list[dict]:
+                   repeat: int, slash_sizes: list[int]) -> list[dict]:
     backends = AttentionBackends.select(device, dtype, DIM)
     dense = lambda q, k, v, m: backends.varlen(q, k, v, m, causal=True, scale=DIM ** -0.5)  # noqa: E731
     rows = []
@@ -98,10 +99,52 @@ def attention_rows(contexts: list[int], chunk: int, thresholds: list[float], dev
             rows.append(sparse_row(ctx, chunk, device, dtype, repeat, runtime, f"xattention tau={threshold}"))
             rows[-1].update(parts_ms(ctx, chunk, threshold, device, dtype))
             print(rows[-1], flush=True)
-        runtime = MInferencePolicy().bind(_layout(device, dtype))
-        rows.append(sparse_row(ctx, chunk, device, dtype, repeat, runtime, "minference (defaults)"))
-        print(rows[-1], flush=True)
+        for slash in slash_sizes:
+            runtime = MInferencePolicy(slash_size=slash).bind(_layout(device, dtype))
+            rows.append(sparse_row(ctx, chunk, device, dtype, repeat, runtime, f"minference slash={slash}"))
+            print(rows[-1], flush=True)
     return rows
+
+
+def tune_rows(device, dtype, n_q: int, n_k: int, slash: int) -> list[dict]:
+    """The vertical-slash kernel's launch settings swept on one chunk (n_q queries after an
+    n_k - n_q prefix), each checked against the reference; dense on the same shape first."""
+    from astream.ops import triton_minference as tm
+    q, k, v = random_qkv(n_q, n_k, device, dtype, seed=7)
+    scale = DIM ** -0.5
+    backends = AttentionBackends.select(device, dtype, DIM)
+    meta = varlen_meta([0, n_q], [0, n_k], device)
+    rows = [{"config": "dense", "ms": _timed(lambda: backends.varlen(q, k, v, meta, causal=True, scale=scale))}]
+    index = mi.vertical_slash_index(q, k, last_q=64, vertical_size=1000, slash_size=slash, sink=30,
+                                    local=100, scale=scale)
+    ref_out, _ = mi.vertical_slash_attention_ref(q, k, v, index, block=64, scale=scale)
+    layout = mi.vertical_slash_layout(index, n_q, n_k, 64)
+    kept, visible = mi.layout_density(layout, n_q, n_k, 64)
+    defaults = (tm.BLOCK_N, tm.NUM_WARPS, tm.NUM_STAGES)
+    for block_n, warps, stages in [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)]:
+        tm.BLOCK_N, tm.NUM_WARPS, tm.NUM_STAGES = block_n, warps, stages
+        try:
+            out, _ = tm.vertical_slash_attention_triton(q, k, v, layout, block=64, scale=scale)
+            err = rel_error(out, ref_out)
+            ms = _timed(lambda: tm.vertical_slash_attention_triton(q, k, v, layout, block=64, scale=scale))
+            rows.append({"config": f"BLOCK_N={block_n} warps={warps} stages={stages}", "ms": ms, "err": err})
+        except Exception as exc:     # a setting the compiler refuses (shared memory)
+            rows.append({"config": f"BLOCK_N={block_n} warps={warps} stages={stages}", "error": str(exc)[:200]})
+        print(rows[-1], flush=True)
+    tm.BLOCK_N, tm.NUM_WARPS, tm.NUM_STAGES = defaults
+    rows.append({"density": round(float(kept.sum()) / visible, 4)})
+    print(rows[-1], flush=True)
+    return rows
+
+
+def _timed(fn, reps: int = 5) -> list[float]:
+    fn()
+    times = []
+    for _ in range(reps):
+        with Timer() as t:
+            fn()
+        times.append(t.seconds)
+    return _spread(times)
 
 
 def sparse_row(ctx, chunk, device, dtype, repeat, runtime, name) -> dict:
@@ -144,23 +187,40 @@ def _spread(seconds: list[float]) -> list[float]:
 def e2e_rows(contexts: list[int], args, device) -> list[dict]:
     folder = shaped_model("tiny" if args.smoke else "qwen3-4b", max(contexts) + 64)
     rows = []
-    methods = [("full", "full")] + [(f"xattention tau={t}", XAttentionPolicy(threshold=t))
+    methods = [] if args.e2e_skip_full else [("full", "full")]
+    methods += [(f"xattention tau={t}", XAttentionPolicy(threshold=t))
                                     for t in args.e2e_thresholds]
-    for name, policy in methods:
+    methods += [(f"minference slash={s}", MInferencePolicy(slash_size=s)) for s in args.e2e_minference_slash]
+    modes = ["resident", "offload"] if args.e2e_offload else ["resident"]
+    for (name, policy), mode in [(m, mode) for m in methods for mode in modes]:
         config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
                               device=device.type, dtype="float32" if args.smoke else "bfloat16",
                               max_num_seqs=1, max_model_len=max(contexts) + 64, sparse_policy=policy,
-                              max_num_batched_tokens=args.chunk)
+                              max_num_batched_tokens=args.chunk, offload=mode == "offload")
         core = EngineCore.create(config)
         for ctx in contexts:
             if hasattr(core.runner.policy, "counters"):     # density of this context alone
                 core.runner.policy.counters.zero_()
-            times = [prefill_seconds(core, ctx, seed) for seed in range(args.repeat)]
-            density = core.stats().get("xattention_density")
-            rows.append({"context": ctx, "method": name, "prefill_s": [round(t, 3) for t in sorted(times)],
+            before = core.stats().get("offload_bytes_loaded", 0)
+            runs = [prefill_seconds(core, ctx, seed) for seed in range(args.repeat)]
+            times, tokens = [t for t, _ in runs], [token.token_id for _, token in runs]
+            density = next((v for k, v in core.stats().items() if k.endswith("_density")), None)
+            loaded = (core.stats().get("offload_bytes_loaded", 0) - before) / args.repeat
+            rows.append({"context": ctx, "method": name, "mode": mode,
+                         "prefill_s": [round(t, 3) for t in sorted(times)],
                          "tok_s_median": round(ctx / sorted(times)[len(times) // 2]),
+                         "gb_loaded_per_prefill": round(loaded / 1e9, 2), "first_tokens": tokens,
                          "density_by_layer": density})
             print({k: v for k, v in rows[-1].items() if k != "density_by_layer"}, flush=True)
+        if mode == "offload":
+            resident = {r["context"]: r for r in rows if r["method"] == name and r["mode"] == "resident"}
+            for row in rows[-len(contexts):]:
+                same = resident.get(row["context"])
+                if same is not None:
+                    row["same_as_resident"] = (row["first_tokens"] == same["first_tokens"]
+                                               and row["density_by_layer"] == same["density_by_layer"])
+                    print(f"{name} {row['context']}: offload and resident agree (first tokens, "
+                          f"density of every layer): {row['same_as_resident']}", flush=True)
         core.close()
         del core                     # the next engine sizes its cache from free memory
         gc.collect()
@@ -168,8 +228,9 @@ def e2e_rows(contexts: list[int], args, device) -> list[dict]:
     return rows
 
 
-def prefill_seconds(core: EngineCore, ctx: int, seed: int) -> float:
-    gen = torch.Generator().manual_seed(seed)
+def prefill_seconds(core: EngineCore, ctx: int, seed: int) -> tuple[float, int]:
+    # A prompt of its own per context: no shared prefix for the prefix cache to reuse.
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + ctx)
     prompt = torch.randint(100, 49152, (ctx,), generator=gen).tolist()
     core.runtime.synchronize()
     start = time.perf_counter()
@@ -177,7 +238,7 @@ def prefill_seconds(core: EngineCore, ctx: int, seed: int) -> float:
     while not sink.tokens:
         core.step()
     core.runtime.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, sink.tokens[0]
 
 
 def main() -> None:
@@ -189,11 +250,21 @@ def main() -> None:
     parser.add_argument("--e2e-thresholds", default="0.9",
                         help="XAttention thresholds of the e2e section (random weights keep about "
                              "that share of blocks: a lower one stands for a real model's density)")
+    parser.add_argument("--e2e-offload", action="store_true",
+                        help="run each e2e method with the KV cache offloaded too")
+    parser.add_argument("--e2e-skip-full", action="store_true", help="leave Full out of the e2e section")
+    parser.add_argument("--minference-slash", default="6096",
+                        help="MInference diagonal counts of the attention section (at 128K; scaled "
+                             "with length): fewer stand for a real model's clustered diagonals")
+    parser.add_argument("--tune-slash", type=int, default=500)
+    parser.add_argument("--e2e-minference-slash", default="",
+                        help="MInference diagonal counts of the e2e section (none by default)")
     parser.add_argument("--chunk", type=int, default=16384)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokenizer", default=None)
     args = parser.parse_args()
-    args.e2e_thresholds = [float(t) for t in args.e2e_thresholds.split(",")]
+    args.e2e_thresholds = [float(t) for t in args.e2e_thresholds.split(",") if t]
+    args.e2e_minference_slash = [int(s) for s in args.e2e_minference_slash.split(",") if s]
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     contexts = [512, 1024] if args.smoke else [int(c) for c in args.contexts.split(",")]
@@ -209,7 +280,11 @@ def main() -> None:
     if "attention" in sections:
         result["attention"] = attention_rows(contexts, args.chunk,
                                              [float(t) for t in args.thresholds.split(",")],
-                                             device, dtype, args.repeat)
+                                             device, dtype, args.repeat,
+                                             [int(s) for s in args.minference_slash.split(",")])
+    if "tune" in sections:
+        n_q, n_k = (256, 1024) if args.smoke else (16384, 32768)
+        result["tune"] = tune_rows(device, dtype, n_q, n_k, 100 if args.smoke else args.tune_slash)
     if "e2e" in sections:
         result["e2e"] = e2e_rows(contexts, args, device)
     save("sparse_prefill", result, smoke=args.smoke)

@@ -29,7 +29,9 @@ def test_offload_on_and_off_read_the_same_and_give_the_same_tokens(policy):
     results = []
     for offload in (False, True):
         with LLM(**KW, sparse_policy=policy, offload=offload) as llm:
-            outs = llm.generate([LONG, "The quick brown fox"], GREEDY)
+            # One prompt at a time: which step admits a second prompt depends on timing, and
+            # the estimate depends on where chunks start.
+            outs = [llm.generate([prompt], GREEDY)[0] for prompt in (LONG, "The quick brown fox")]
             stats = llm.stats()
             assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
         density = {key: value for key, value in stats.items() if key.endswith("_density")}
@@ -54,9 +56,9 @@ def test_with_offload_settings_that_cover_everything_give_fulls_tokens(smol_llm,
 
 
 def test_prefixes_staged_in_small_pieces_give_the_same_tokens(monkeypatch):
-    from astream.kvcache import offload_engine
+    from astream.kvcache import context_loads
     with LLM(**KW, sparse_policy=XATTENTION, offload=True) as llm:
         want = [o.token_ids for o in llm.generate([LONG], GREEDY)]
-    monkeypatch.setattr(offload_engine, "CONTEXT_STAGE_BLOCKS", 3)   # several pieces, one buffer
+    monkeypatch.setattr(context_loads, "CONTEXT_STAGE_BLOCKS", 3)   # several pieces, one buffer
     with LLM(**KW, sparse_policy=XATTENTION, offload=True) as llm:
         assert [o.token_ids for o in llm.generate([LONG], GREEDY)] == want

@@ -10,7 +10,7 @@ through the ring: the chosen pages are read in place from the host pool by a dev
 kernel (OffloadEngine.gather_pages), so only they cross PCIe. Where the policy replaces
 prefill attention (a sparse prefill method, whose estimate needs every key of the
 prefix), prefill rows do not use the ring either: each chunk's prefix comes to the device
-whole (OffloadEngine.load_context) and the policy attends over prefix and chunk at once,
+whole (OffloadEngine.context_loads, a layer ahead of compute) and the policy attends over prefix and chunk at once,
 exactly as on the resident path. The layers the policy
 never makes sparse (the engine's `device_layers`) keep their whole cache on the device
 and attend there as on the resident path (PagedAttention over `on_device`).
@@ -24,6 +24,7 @@ import torch
 
 from astream.executor.offload_plan import JobTemplate, OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention, prefill_attention
+from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
 from astream.ops.backends import AttentionBackends
 from astream.policies import DecodeQuery, PolicyRuntime
@@ -48,6 +49,7 @@ class OffloadAttention:
     policy: PolicyRuntime
     scale: float
     on_device: PagedAttention | None = None        # the engine's device layers, read in place
+    contexts: ContextLoads | None = None           # whole prefixes of whole-prefill layers
     gathered_view: tuple[torch.Tensor, ...] | None = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -85,14 +87,13 @@ class OffloadAttention:
         """The prefill chunks over their whole context (prefix from the host pool, then
         themselves), packed as the resident path packs it, for the policy to replace."""
         context = self.plan.prefill_context
-        keys_k = torch.empty((context.num_keys, *k.shape[1:]), dtype=k.dtype, device=k.device)
-        keys_v = torch.empty_like(keys_k)
-        if context.prefix_runs:
-            self.engine.load_context(layer, context.prefix_runs, keys_k, keys_v)
-        keys_k.index_copy_(0, context.chunk_rows, k)
-        keys_v.index_copy_(0, context.chunk_rows, v)
-        return prefill_attention(self.policy, self.backends, layer, q, keys_k, keys_v,
-                                 context.meta, causal=True, scale=self.scale)
+        packed = self.contexts.keys(layer)
+        packed.k.index_copy_(0, context.chunk_rows, k)
+        packed.v.index_copy_(0, context.chunk_rows, v)
+        out = prefill_attention(self.policy, self.backends, layer, q, packed.k, packed.v,
+                                context.meta, causal=True, scale=self.scale)
+        self.contexts.release()
+        return out
 
     def _selected_pages(self, layer: int, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows over the host pages the policy chooses, gathered straight from the pool."""
@@ -125,6 +126,17 @@ class OffloadAttention:
                 job.decode_table_tensor, job.decode_lens, scale=self.scale, max_context_len=job.decode_max)
             out, lse = self.backends.merge_into_rows(out, lse, job.decode_index, *part)
         return out, lse
+
+
+def whole_prefill_loads(engine: OffloadEngine, plan: OffloadStepPlan,
+                        num_layers: int) -> ContextLoads | None:
+    """The step's prefix loads for the offloaded layers whose prefill the policy replaces."""
+    context = plan.prefill_context
+    if context is None:
+        return None
+    layers = [layer for layer in range(num_layers)
+              if plan.reads_whole_prefill(layer) and layer not in engine.device_layers]
+    return engine.context_loads(context.prefix_runs, layers, context.num_keys) if layers else None
 
 
 def _gathered_view(rows: int, heads: int, picked: int, page_size: int,

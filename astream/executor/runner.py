@@ -17,7 +17,7 @@ import torch
 
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.inputs import StepInputs, build_inputs
-from astream.executor.offload_attention import OffloadAttention, sparse_layers
+from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
 from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
@@ -137,7 +137,8 @@ class ModelRunner:
         on_device = None if engine.on_device is None else PagedAttention(
             engine.on_device, step.inputs.attn, self.backends, self.policy, self.scale)
         attend = OffloadAttention(engine, plan, loads, sparse, step.inputs.attn.slot_mapping,
-                                  self.backends, self.policy, self.scale, on_device)
+                                  self.backends, self.policy, self.scale, on_device,
+                                  whole_prefill_loads(engine, plan, layers))
         return (yield from self._layers(step.inputs, attend))
 
     def _layers(self, inputs: StepInputs, attend) -> Generator[Event, None, torch.Tensor]:

@@ -18,8 +18,8 @@ Its whole API: `write_layer` (a layer's new KV in, and on its way to the host),
 `tails` (the device tails a layer's decode attends to), `loads` (one step's loads into
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
 when the caller is done with it, and the next load starts), `gather_pages` (chosen
-pages of a layer's host KV, read in place by the device), `load_context` (whole
-prefixes at once, for a sparse prefill policy), `pending_offloads`, and
+pages of a layer's host KV, read in place by the device), `context_loads` (whole
+prefixes, for a sparse prefill policy, a layer ahead), `pending_offloads`, and
 `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
 
@@ -38,14 +38,13 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
 from astream.ops.quest import gather_pages
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 from astream.runtime.pinned import PinnedHostTensor
-
-CONTEXT_STAGE_BLOCKS = 64     # host blocks load_context stages on the device at a time
 
 
 class Run(NamedTuple):
@@ -206,30 +205,14 @@ class OffloadEngine:
         gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
         return dk, dv
 
-    def load_context(self, layer: int, runs: tuple[Run, ...], keys_k: torch.Tensor,
-                     keys_v: torch.Tensor) -> None:
-        """Host blocks of a layer copied whole into token-major key rows on the device, on the
-        compute stream: run (src, dst, count) puts blocks src.. at rows dst.. of keys_k/v
-        ([rows, kv_heads, head_dim]), staged head-major on the device CONTEXT_STAGE_BLOCKS
-        at a time. A sparse prefill estimate needs every key of a prefix at once. Call it
-        after the layer's `write_layer`, which made the compute stream wait for the earlier
-        steps' offloads that wrote these blocks (this step's own new blocks are not read)."""
-        host_k, host_v = self.host_k[layer], self.host_v[layer]
-        block, stage = host_k.shape[2], CONTEXT_STAGE_BLOCKS
-        pieces = [(src + first, dst + first * block, min(stage, count - first))
-                  for src, dst, count in runs for first in range(0, count, stage)]
-        largest = max(count for _, _, count in pieces)
-        stage_k = torch.empty((largest, *host_k.shape[1:]), dtype=host_k.dtype, device=keys_k.device)
-        stage_v = torch.empty_like(stage_k)
-        for src, dst, count in pieces:
-            # Stream order makes reusing the staging buffers safe: each copy out of them is
-            # enqueued before the next load into them.
-            stage_k[:count].copy_(host_k[src:src + count], non_blocking=True)
-            stage_v[:count].copy_(host_v[src:src + count], non_blocking=True)
-            rows = slice(dst, dst + count * block)
-            keys_k[rows].view(count, block, *keys_k.shape[1:]).copy_(stage_k[:count].transpose(1, 2))
-            keys_v[rows].view(count, block, *keys_v.shape[1:]).copy_(stage_v[:count].transpose(1, 2))
-            self.bytes_loaded += count * self.block_bytes
+    def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:
+        """One step's whole prefixes (host block runs -> packed key rows) for `layers`, in
+        compute order, loaded on the H2D stream a layer ahead (kvcache.context_loads)."""
+        loads = ContextLoads(self.runtime, self.h2d, self.host_k, self.host_v, self.offloaded,
+                             runs, layers)
+        loads.allocate(num_keys)
+        self.bytes_loaded += len(layers) * sum(run.count for run in runs) * self.block_bytes
+        return loads
 
     def _load(self, slot: RingSlot, layer: int, runs: list[Run]) -> None:
         rt = self.runtime

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from astream.kvcache.offload_engine import CONTEXT_STAGE_BLOCKS
+from astream.kvcache.context_loads import CONTEXT_STAGE_BLOCKS
 from astream.models.config import ModelConfig
 
 _MiB, _GiB = 2**20, 2**30
@@ -136,8 +136,8 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
     elif device.type == "cuda":
         fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes \
             + metadata_bytes
-        if cfg.whole_prefix:     # a max_model_len context packed, and one staged prefix piece
-            fixed += (-(-max_len // block) + CONTEXT_STAGE_BLOCKS) * layer_block_bytes
+        if cfg.whole_prefix:     # two max_model_len contexts packed, and one staged prefix piece
+            fixed += (2 * -(-max_len // block) + CONTEXT_STAGE_BLOCKS) * layer_block_bytes
         spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
         slot_blocks = min(wanted, max(spare, 0) // (slots * layer_block_bytes))
     else:

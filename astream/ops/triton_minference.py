@@ -18,7 +18,10 @@ from torch import Tensor
 from astream.ops.triton_decode import LOG2E, MIN_DOT_DIM, _dim_mask, _finish
 from astream.ops.triton_xattention import _attend_tile_masked, sparse_prefill_outputs
 
+# Launch settings (benchmarks/sparse_prefill.py --sections tune sweeps them on a GPU).
 BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 1
 
 
 @triton.jit
@@ -101,6 +104,6 @@ def vertical_slash_attention_triton(q: Tensor, k: Tensor, v: Tensor, layout: tup
         run_count.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         GROUP=n_heads // kv_heads, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block, BLOCK_N=BLOCK_N,
         USE_DOT=d_pad >= MIN_DOT_DIM, PRECISION="ieee" if k.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out, lse
