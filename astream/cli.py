@@ -88,8 +88,9 @@ def _add_options(group: argparse._ArgumentGroup, cls: type, skip: set[str] = fro
                                help="repeat for several")
         else:
             metavar = {"int": "N", "float": "X"}.get(kind, field.name.split("_")[-1].upper())
-            group.add_argument(*flags, type=_SCALARS[kind], default=argparse.SUPPRESS,
-                               metavar=metavar, help=f"default: {shown}")
+            described = field.metadata.get("help")
+            group.add_argument(*flags, type=_SCALARS[kind], default=argparse.SUPPRESS, metavar=metavar,
+                               help=f"{described} (default: {shown})" if described else f"default: {shown}")
 
 
 def _flag_kind(field: dataclasses.Field) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,7 +40,10 @@ class EngineConfig:
     offload_ring_slots: int = 3            # device buffers host KV loads into; loads run this many ahead
     offload_slot_tokens: int | None = None # KV tokens one ring slot holds; None: sized from GPU memory
     offload_prefetch_layers: int | None = None   # deprecated: offload_ring_slots - 1
-    sparse_policy: object = "full"         # a policy name (policies/) or a SparsePolicy instance
+    sparse_policy: object = field(         # a policy name (policies/) or a SparsePolicy instance
+        default="full", metadata={"help": "full, quest, xattention, minference, or a prefill+decode "
+                                  "pair such as xattention+quest; parameters in parentheses, e.g. "
+                                  "'xattention(threshold=0.95)'"})
     sparse_budget: int | None = None       # KV tokens a sparse decode reads (a policy given by name)
 
     def __post_init__(self) -> None:

@@ -6,9 +6,10 @@ import re
 from dataclasses import dataclass, field
 
 from astream.policies import make_policy
+from astream.policies.spec import split_top_level
 
 _LENGTH = re.compile(r"(\d+)([kK]?)")
-_PART = re.compile(r"([A-Za-z][\w-]*)(?::(\d+))?")
+_PART = re.compile(r"([A-Za-z][\w-]*(?:\([^()]*\))?)(?::(\d+))?")
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,13 +60,13 @@ def parse_names(text: str, known: tuple[str, ...], what: str) -> list[str]:
 def parse_configs(text: str) -> list[EvalConfig]:
     """A --compare spec: items separated by commas, each item parts joined by '+'.
 
-    A part is 'offload' (offload=True) or a sparse policy name with an optional ':N' budget
-    (sparse_policy=name, sparse_budget=N); two policy parts combine a prefill and a decode
-    policy ('xattention+quest:2048'). Every item sets sparse_policy ('full' unless a part
+    A part is 'offload' (offload=True) or a sparse policy name, with optional parameters in
+    parentheses and an optional ':N' budget (sparse_policy=name, sparse_budget=N); two
+    policy parts combine a prefill and a decode policy ('xattention(threshold=0.95)+quest:2048'). Every item sets sparse_policy ('full' unless a part
     names one) and offload (False unless a part says 'offload'), so 'full' is the plain
     baseline. Policy names and budgets are checked here, before any engine is built.
     """
-    configs = [_parse_item(item) for item in _items(text, "--compare")]
+    configs = [_parse_item(item) for item in _items(text, "--compare", split_top_level)]
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"--compare {text!r} names a configuration twice")
@@ -75,7 +76,7 @@ def parse_configs(text: str) -> list[EvalConfig]:
 def _parse_item(item: str) -> EvalConfig:
     kwargs: dict = {"sparse_policy": "full", "offload": False}
     policies: list[str] = []
-    for part in item.split("+"):
+    for part in split_top_level(item, "+"):
         part = part.strip()
         if part == "offload":
             if kwargs["offload"]:
@@ -85,7 +86,8 @@ def _parse_item(item: str) -> EvalConfig:
         match = _PART.fullmatch(part)
         if not match:
             raise ValueError(f"bad --compare item {item!r}: {part!r} is neither 'offload' nor a policy "
-                             "name with an optional ':N' budget (e.g. 'quest:1024')")
+                             "name with optional parameters and ':N' budget (e.g. 'quest:1024', "
+                             "'xattention(threshold=0.95)')")
         policies.append(match[1])
         if match[2] is not None:
             if int(match[2]) < 1 or "sparse_budget" in kwargs:
@@ -100,8 +102,8 @@ def _parse_item(item: str) -> EvalConfig:
     return EvalConfig(item.replace(" ", ""), kwargs)
 
 
-def _items(text: str, what: str) -> list[str]:
-    items = [item.strip() for item in text.split(",")]
+def _items(text: str, what: str, split=str.split) -> list[str]:
+    items = [item.strip() for item in split(text, ",")]
     if not text.strip() or any(not item for item in items):
         raise ValueError(f"bad {what} {text!r}: give a comma-separated list with no empty items")
     return items

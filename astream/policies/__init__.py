@@ -7,6 +7,7 @@ from astream.policies.combined import CombinedPolicy
 from astream.policies.full import FullPolicy
 from astream.policies.minference import MInferencePolicy
 from astream.policies.quest import QuestPolicy, QuestRuntime
+from astream.policies.spec import parse_policy_spec
 from astream.policies.xattention import XAttentionPolicy
 
 POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy,
@@ -15,34 +16,42 @@ POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPol
 
 
 def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> SparsePolicy:
-    """The policy an engine option names, or the instance it is. A budget applies to a policy
-    given by name. "prefill+decode" names combine a prefill policy with a decode policy
-    (e.g. "xattention+quest"; the budget goes to the part that takes one). Unknown names
-    and bad parameters raise ValueError naming them. Every policy runs resident and with
-    offload."""
-    if isinstance(spec, str) and "+" in spec:
-        return _combined_policy(spec, budget_tokens)
-    return _named_policy(spec, budget_tokens)
+    """The policy an engine option names, or the instance it is. A name may carry
+    parameters ("minference(vertical_size=4000, slash_size=24384)"), and a budget applies
+    to a policy given by name. "prefill+decode" names combine a prefill policy with a
+    decode policy (e.g. "xattention+quest"; the budget goes to the part that takes one).
+    Unknown names and bad parameters raise ValueError naming them. Every policy runs
+    resident and with offload."""
+    if isinstance(spec, SparsePolicy):
+        if budget_tokens is not None:
+            raise ValueError("sparse_budget applies to a policy given by name; a SparsePolicy "
+                             "instance carries its own parameters")
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"sparse_policy must be a policy name or a SparsePolicy instance, got {spec!r}")
+    parts = parse_policy_spec(spec)
+    if len(parts) == 1:
+        return _named_policy(spec, *parts[0], budget_tokens)
+    return _combined_policy(spec, parts, budget_tokens)
 
 
-def _combined_policy(spec: str, budget_tokens: int | None) -> CombinedPolicy:
-    names = [name.strip() for name in spec.split("+")]
-    if len(names) != 2:
+def _combined_policy(spec: str, parts: list[tuple[str, dict]], budget_tokens: int | None) -> CombinedPolicy:
+    if len(parts) != 2:
         raise ValueError(f"sparse_policy {spec!r}: combine exactly two policies, a prefill and "
                          "a decode one (e.g. 'xattention+quest')")
-    classes = [POLICIES.get(name) for name in names]
-    if None in classes:
-        return _named_policy(names[classes.index(None)], None)        # raises: unknown name
-    takes = [name for name, cls in zip(names, classes) if _takes_budget(cls)]
+    for name, _ in parts:
+        _policy_class(spec, name)                                  # raises: unknown name
+    takes = [name for name, _ in parts if _takes_budget(POLICIES[name])]
     if budget_tokens is not None and not takes:
         raise ValueError(f"sparse policy {spec!r} takes no budget (sparse_budget)")
-    parts = {cls.phase: _named_policy(name, budget_tokens if name in takes else None)
-             for name, cls in zip(names, classes)}
-    if set(parts) != {"prefill", "decode"}:
+    built = {POLICIES[name].phase: _named_policy(spec, name, params,
+                                                 budget_tokens if name in takes else None)
+             for name, params in parts}
+    if len(built) != 2 or set(built) != {"prefill", "decode"}:
         raise ValueError(f"sparse_policy {spec!r}: combine one prefill policy "
                          f"({', '.join(phase_policies('prefill'))}) with one decode policy "
                          f"({', '.join(phase_policies('decode'))})")
-    return CombinedPolicy(prefill=parts["prefill"], decode=parts["decode"])
+    return CombinedPolicy(prefill=built["prefill"], decode=built["decode"])
 
 
 def phase_policies(phase: str) -> list[str]:
@@ -54,21 +63,32 @@ def _takes_budget(cls: type[SparsePolicy]) -> bool:
     return "budget_tokens" in getattr(cls, "__dataclass_fields__", {})
 
 
-def _named_policy(spec: str | SparsePolicy, budget_tokens: int | None) -> SparsePolicy:
-    if isinstance(spec, SparsePolicy):
-        if budget_tokens is not None:
-            raise ValueError("sparse_budget applies to a policy given by name; a SparsePolicy "
-                             "instance carries its own parameters")
-        return spec
-    if not isinstance(spec, str) or spec not in POLICIES:
-        raise ValueError(f"unknown sparse_policy {spec!r}; use one of {sorted(POLICIES)} "
-                         "or a SparsePolicy instance")
-    cls = POLICIES[spec]
-    if budget_tokens is None:
-        return cls()
-    if not _takes_budget(cls):
-        raise ValueError(f"sparse policy {spec!r} takes no budget (sparse_budget)")
-    return cls(budget_tokens=budget_tokens)
+def _policy_class(spec: str, name: str) -> type[SparsePolicy]:
+    if name not in POLICIES:
+        raise ValueError(f"unknown sparse_policy {name!r}" + (f" in {spec!r}" if spec != name else "")
+                         + f"; use one of {sorted(POLICIES)} or a SparsePolicy instance")
+    return POLICIES[name]
+
+
+def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None) -> SparsePolicy:
+    cls = _policy_class(spec, name)
+    fields = getattr(cls, "__dataclass_fields__", {})
+    unknown = sorted(set(params) - set(fields))
+    if unknown:
+        known = ", ".join(sorted(fields)) or "none"
+        raise ValueError(f"sparse_policy {spec!r}: {name} has no parameter {unknown[0]!r} "
+                         f"(its parameters: {known})")
+    if budget_tokens is not None:
+        if not _takes_budget(cls):
+            raise ValueError(f"sparse policy {spec!r} takes no budget (sparse_budget)")
+        if "budget_tokens" in params:
+            raise ValueError(f"sparse_policy {spec!r}: give the budget once, as budget_tokens= "
+                             "or as sparse_budget")
+        params = {**params, "budget_tokens": budget_tokens}
+    try:
+        return cls(**params)
+    except TypeError as exc:         # e.g. a field the constructor does not take
+        raise ValueError(f"sparse_policy {spec!r}: {exc}") from None
 
 
 __all__ = ["CombinedPolicy", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
