@@ -19,6 +19,7 @@ import torch
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.errors import EngineClosedError
+from astream.metrics import EngineMetrics
 from astream.outputs import Completion, Progress, StreamToken
 from astream.policies import make_policy
 from astream.request import Request
@@ -44,6 +45,7 @@ class Engine:
         self._stages: anyio.CancelScope | None = None
         self._submit = None
         self._fault: BaseException | None = None
+        self.metrics = EngineMetrics()            # requests, tokens and latencies, for /metrics
 
     @staticmethod
     def check_options(model: str | None = None, **config) -> EngineConfig:
@@ -195,8 +197,9 @@ class Engine:
             raise TypeError(f"client must be a string, got {type(client).__name__}")
         self.core.check_prompt_size(prompt)
         request_id = request_id or uuid.uuid4().hex
-        channel = RequestChannel.open(request_id)
+        channel = RequestChannel.open(request_id, self.metrics)
         request = self.core.open_request(request_id, params, channel, client)
+        channel.prompt_tokens = lambda: 0 if request.seq is None else request.seq.num_prompt_tokens
         try:
             await self._submit.send(Submission(request, prompt))
         except BaseException:                     # cancelled while queueing: leave nothing behind

@@ -22,7 +22,8 @@ LAYERS = [
     ("parts", ["astream.kvcache", "astream.policies", "astream.models"]),
     ("kernels", ["astream.ops", "astream.runtime"]),
     ("base", ["astream.config", "astream.sampling", "astream.outputs", "astream.tokenization",
-              "astream.text", "astream.stop_matcher", "astream.errors", "astream.validation"]),
+              "astream.text", "astream.stop_matcher", "astream.errors", "astream.validation",
+              "astream.metrics"]),
 ]
 
 # Rules finer than the layers (DESIGN.md: "Stages speak to EngineCore only", "kvcache/ takes

@@ -33,9 +33,12 @@ def test_parameters_in_a_name_build_that_policy():
     ("xattention(threshold)", None, "'threshold' is not key=value"),
     ("xattention(threshold=0.5, threshold=0.6)", None, "'threshold' is given twice"),
     ("quest(budget_tokens=512)", 1024, "give the budget once"),
-    ("quest(", None, "cannot read 'quest\\('"),
+    ("quest(", None, "unbalanced parentheses"),
+    ("quest(page_size=32))x", None, "unbalanced parentheses"),
+    ("quest x", None, "cannot read 'quest x'"),
     ("nosuch(x=1)+quest", None, "unknown sparse_policy 'nosuch'"),
     ("xattention(threshold=2.0)", None, "threshold must be in"),
+    ("quest)+xattention", None, "unbalanced parentheses"),
 ])
 def test_bad_parameters_are_named(spec, budget, message):
     with pytest.raises(ValueError, match=message):
@@ -63,3 +66,5 @@ def test_serve_and_eval_take_parameters():
                                         "offload": False}
     with pytest.raises(ValueError, match="--compare item 'xattention\\(tau=0.9\\)'.*no parameter 'tau'"):
         parse_configs("full,xattention(tau=0.9)")
+    with pytest.raises(ValueError, match="bad --compare 'quest\\),full': unbalanced"):
+        parse_configs("quest),full")

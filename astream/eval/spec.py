@@ -9,7 +9,7 @@ from astream.policies import make_policy
 from astream.policies.spec import split_top_level
 
 _LENGTH = re.compile(r"(\d+)([kK]?)")
-_PART = re.compile(r"([A-Za-z][\w-]*(?:\([^()]*\))?)(?::(\d+))?")
+_PART = re.compile(r"([A-Za-z][\w-]*(?:\s*\([^()]*\))?)(?::(\d+))?")
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,7 +103,10 @@ def _parse_item(item: str) -> EvalConfig:
 
 
 def _items(text: str, what: str, split=str.split) -> list[str]:
-    items = [item.strip() for item in split(text, ",")]
+    try:
+        items = [item.strip() for item in split(text, ",")]
+    except ValueError as exc:            # unbalanced parentheses
+        raise ValueError(f"bad {what} {exc}") from None
     if not text.strip() or any(not item for item in items):
         raise ValueError(f"bad {what} {text!r}: give a comma-separated list with no empty items")
     return items

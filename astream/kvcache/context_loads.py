@@ -15,8 +15,8 @@ Stream order (events only, never the host):
 - a buffer's loads wait for the compute that last read it (`free`), and for the layer's
   latest offload, which wrote the blocks they read (earlier steps' chunks);
 - compute waits for the buffer's loads (`loaded`) before writing this chunk's rows into it.
-Both buffers are allocated on the compute stream and their last use there comes after a
-wait for their last load, so the allocator may reuse them once the step is done.
+Both buffers are allocated on the compute stream and recorded on the H2D stream, so the
+allocator reuses them only once their loads are done, even when a step fails midway.
 """
 
 from __future__ import annotations
@@ -88,6 +88,11 @@ class ContextLoads:
 
     def _load(self, layer: int, packed: PackedKeys) -> None:
         rt, h2d = self.runtime, self.h2d
+        if h2d is not None:
+            # Should compute never wait for this load (a layer raised before it), the
+            # allocator must still not hand the buffer out while the copy may run.
+            packed.k.record_stream(h2d)
+            packed.v.record_stream(h2d)
         rt.wait(packed.free, h2d)
         rt.wait(self.offloaded[layer], h2d)
         host_k, host_v = self.host_k[layer], self.host_v[layer]

@@ -22,9 +22,13 @@ def split_top_level(text: str, separator: str) -> list[str]:
     parts, depth, start = [], 0, 0
     for i, ch in enumerate(text):
         depth += (ch == "(") - (ch == ")")
+        if depth < 0:
+            break
         if ch == separator and depth == 0:
             parts.append(text[start:i])
             start = i + 1
+    if depth != 0:
+        raise ValueError(f"{text!r}: unbalanced parentheses")
     parts.append(text[start:])
     return parts
 

@@ -1,4 +1,8 @@
-"""Plain HTTP on the websocket port: GET /health, and the checks of every handshake.
+"""Plain HTTP on the websocket port: GET /health, GET /metrics, and the checks of every
+handshake.
+
+/health answers anyone (a load balancer's probe). /metrics (Prometheus text format) asks
+for the API key when one is set, as a websocket handshake does.
 
 A handshake is refused with an HTTP status before any websocket opens: 400 for a
 request with two Authorization or Origin headers, 503 when the server holds
@@ -16,6 +20,7 @@ from typing import Awaitable, Callable
 from websockets.asyncio.server import ServerConnection
 from websockets.http11 import Request, Response
 
+from astream.server.metrics import METRICS_CONTENT_TYPE, METRICS_PATH, metrics_registry, render
 from astream.server.state import ServerState
 
 HEALTH_PATH = "/health"
@@ -26,11 +31,16 @@ ProcessRequest = Callable[[ServerConnection, Request], Awaitable[Response | None
 def make_process_request(state: ServerState) -> ProcessRequest:
     """websockets' process_request hook: answer /health, then guard the handshake."""
 
+    registry = metrics_registry(state)
+
     async def process_request(connection: ServerConnection, request: Request) -> Response | None:
-        if request.path.partition("?")[0] == HEALTH_PATH:
+        path = request.path.partition("?")[0]
+        if path == HEALTH_PATH:
             health = state.health()
             status = HTTPStatus.OK if health["status"] == "ok" else HTTPStatus.SERVICE_UNAVAILABLE
             return json_response(connection, status, health)
+        if path == METRICS_PATH:
+            return _unauthorized(connection, request, state) or _metrics_response(connection, registry)
         return refusal(connection, request, state)
 
     return process_request
@@ -52,12 +62,28 @@ def refusal(connection: ServerConnection, request: Request, state: ServerState) 
             return connection.respond(HTTPStatus.FORBIDDEN, "websocket connections from this "
                                       "Origin are not allowed (see --allowed-origin)\n")
         return None
-    if not _authorized(authorization[0] if authorization else None, options.api_key):
-        response = connection.respond(HTTPStatus.UNAUTHORIZED,
-                                      "missing or wrong API key: send 'Authorization: Bearer KEY'\n")
-        response.headers["WWW-Authenticate"] = 'Bearer realm="astream"'
-        return response
-    return None
+    return _unauthorized(connection, request, state)
+
+
+def _unauthorized(connection: ServerConnection, request: Request, state: ServerState) -> Response | None:
+    """401 when an API key is set and the request does not carry it (exactly once)."""
+    api_key = state.options.api_key
+    if api_key is None:
+        return None
+    authorization = request.headers.get_all("Authorization")
+    if len(authorization) == 1 and _authorized(authorization[0], api_key):
+        return None
+    response = connection.respond(HTTPStatus.UNAUTHORIZED,
+                                  "missing or wrong API key: send 'Authorization: Bearer KEY'\n")
+    response.headers["WWW-Authenticate"] = 'Bearer realm="astream"'
+    return response
+
+
+def _metrics_response(connection: ServerConnection, registry) -> Response:
+    response = connection.respond(HTTPStatus.OK, render(registry).decode())
+    del response.headers["Content-Type"]
+    response.headers["Content-Type"] = METRICS_CONTENT_TYPE
+    return response
 
 
 def json_response(connection: ServerConnection, status: HTTPStatus, body: dict) -> Response:

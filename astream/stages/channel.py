@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from astream.metrics import EngineMetrics
 from astream.outputs import Progress, StreamToken
 
 
@@ -36,17 +38,22 @@ class RequestChannel:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
+    metrics: EngineMetrics | None = None
+    prompt_tokens: Callable[[], int] = lambda: 0     # counted when the request ends
 
     @classmethod
-    def open(cls, request_id: str) -> "RequestChannel":
+    def open(cls, request_id: str, metrics: EngineMetrics | None = None) -> "RequestChannel":
         send, receive = anyio.create_memory_object_stream(math.inf)
-        return cls(request_id, send, receive)
+        return cls(request_id, send, receive, metrics=metrics)
 
     # ---- the RequestSink protocol (called by the core) ------------------------------------
 
     def token(self, token_id: int, text: str, finish_reason: str | None,
               error: str | None = None) -> bool:
         now = time.perf_counter()
+        if token_id >= 0 and self.metrics is not None and self.finish_reason is None:
+            first = self.first_token_at is None
+            self.metrics.token(now - (self.submitted_at if first else self.last_token_at), first)
         if token_id >= 0:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
@@ -80,9 +87,12 @@ class RequestChannel:
             return False
         try:
             self.send.send_nowait(item)
+            delivered = True
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
+            delivered = False                 # the consumer left; the request still ends here
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.send.close()
-        return True
+            if self.metrics is not None:
+                self.metrics.finished(finish_reason, self.prompt_tokens())
+        return delivered

@@ -1,0 +1,81 @@
+"""GET /metrics: Prometheus text that prometheus_client parses, counters that move as
+requests finish (a disconnected client's abort included), and the API key when one is set."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+
+import anyio
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from astream.client import Client
+from astream.server import ServerOptions, StreamServer
+from server_helpers import GREEDY, LONG, OPTIONS, wait_idle
+
+pytestmark = pytest.mark.anyio
+
+
+async def scrape(port: int, headers: str = "") -> tuple[int, str, str]:
+    """GET /metrics: (status, content type, body)."""
+    async with await anyio.connect_tcp("127.0.0.1", port) as sock:
+        await sock.send(f"GET /metrics HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n".encode())
+        data = b""
+        try:
+            while True:
+                data += await sock.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError):
+            pass
+    head, _, body = data.decode().partition("\r\n\r\n")
+    content_type = next((line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                         if line.lower().startswith("content-type:")), "")
+    return int(head.split()[1]), content_type, body
+
+
+async def samples(port: int) -> dict:
+    """{(sample name, sorted labels): value} of one scrape, parsed by prometheus_client."""
+    status, content_type, body = await scrape(port)
+    assert status == 200 and content_type.startswith("text/plain; version="), (status, content_type)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def value(snapshot: dict, name: str, **labels) -> float:
+    return snapshot.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_counters_move_as_requests_finish(server, idle_free):
+    before = await samples(server.port)
+    assert value(before, "astream_engine_up") == 1
+    async with Client(server.url) as client:
+        _, done = await client.generate("The quick brown fox", **GREEDY)
+        async with aclosing(client.stream("Tell me a long story.", **LONG)) as tokens:
+            async for _ in tokens:
+                break                                  # leave after the first token: an abort
+    await wait_idle(server.port, idle_free)
+    after = await samples(server.port)
+    usage, finished = done["usage"], done["finish_reason"]
+    assert value(after, "astream_requests_total", outcome=finished) == \
+        value(before, "astream_requests_total", outcome=finished) + 1
+    assert value(after, "astream_requests_total", outcome="abort") == \
+        value(before, "astream_requests_total", outcome="abort") + 1
+    generated = value(after, "astream_generation_tokens_total") - value(before, "astream_generation_tokens_total")
+    assert generated >= usage["completion_tokens"] + 1
+    prompts = value(after, "astream_prompt_tokens_total") - value(before, "astream_prompt_tokens_total")
+    assert prompts >= usage["prompt_tokens"] + 1
+    ttft = "astream_time_to_first_token_seconds_count"
+    assert value(after, ttft) == value(before, ttft) + 2
+    itl = "astream_inter_token_latency_seconds_count"
+    assert value(after, itl) - value(before, itl) >= usage["completion_tokens"] - 1
+    assert value(after, "astream_kv_blocks", location="device", state="free") == idle_free
+    assert value(after, "astream_kv_blocks", location="device", state="used") == \
+        server.engine.stats()["kv_blocks_total"] - idle_free
+    assert value(after, "astream_requests_running") == 0
+
+
+async def test_metrics_ask_for_the_api_key_when_one_is_set(server):
+    async with StreamServer(server.engine, ServerOptions(**OPTIONS, api_key="s3cret")) as keyed:
+        assert (await scrape(keyed.port))[0] == 401
+        assert (await scrape(keyed.port, "Authorization: Bearer wrong\r\n"))[0] == 401
+        status, _, body = await scrape(keyed.port, "Authorization: Bearer s3cret\r\n")
+        assert status == 200 and "astream_requests_total" in body
