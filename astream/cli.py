@@ -241,14 +241,15 @@ async def _serve(args: argparse.Namespace, engine_kw: dict, options) -> None:
     from astream.engine import Engine
     from astream.server import PROTOCOL_VERSION, StreamServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=options.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("websockets").setLevel(logging.WARNING)    # not a line per health probe
     status = StatusLine(sys.stderr)
     async with Engine(args.model, load_progress=status.loading, **engine_kw) as engine:
         async with StreamServer(engine, options) as server:
             http_url = server.url.replace("ws://", "http://", 1)
-            print(f"astream: serving {PROTOCOL_VERSION} on {server.url} (health: {http_url}/health)",
-                  file=sys.stderr, flush=True)
+            print(f"astream: serving {PROTOCOL_VERSION} on {server.url} (health: {http_url}/health, "
+                  f"metrics: {http_url}/metrics)", file=sys.stderr, flush=True)
             await _serve_until_signalled(server, options.shutdown_timeout)
 
 

@@ -79,3 +79,25 @@ async def test_metrics_ask_for_the_api_key_when_one_is_set(server):
         assert (await scrape(keyed.port, "Authorization: Bearer wrong\r\n"))[0] == 401
         status, _, body = await scrape(keyed.port, "Authorization: Bearer s3cret\r\n")
         assert status == 200 and "astream_requests_total" in body
+
+
+async def test_one_log_line_per_finished_request_without_the_prompt(server, caplog):
+    secret = "The quick brown fox"
+    with caplog.at_level("INFO", logger="astream.requests"):
+        async with Client(server.url) as client:
+            _, done = await client.generate(secret, **GREEDY)
+        with anyio.fail_after(5):
+            while not caplog.records:
+                await anyio.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records if r.name == "astream.requests"]
+    assert len(lines) == 1, lines
+    usage = done["usage"]
+    assert f"{done['finish_reason']}: prompt {usage['prompt_tokens']} tokens, generated " \
+           f"{usage['completion_tokens']}, ttft " in lines[0]
+    assert "tok/s" in lines[0] and secret not in lines[0] and "quick" not in lines[0]
+
+
+def test_log_level_is_checked():
+    assert ServerOptions(log_level="warning").log_level == "warning"
+    with pytest.raises(ValueError, match="log_level must be one of debug, info, warning, error"):
+        ServerOptions(log_level="loud")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 
 @dataclass(slots=True)
 class ServerOptions:
@@ -18,6 +20,7 @@ class ServerOptions:
     max_frame_bytes: int = 2**20             # a larger client frame closes the connection (1009)
     shutdown_timeout: float = 30.0           # seconds in-flight requests get to finish on shutdown
     progress_interval: float = 2.0           # longest gap between progress frames during prefill
+    log_level: str = "info"                  # debug | info (a line per finished request) | warning | error
 
     def __post_init__(self) -> None:
         self.allowed_origins = tuple(self.allowed_origins)
@@ -31,6 +34,8 @@ class ServerOptions:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.progress_interval <= 0:
             raise ValueError(f"progress_interval must be > 0, got {self.progress_interval}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.api_key is not None and (not self.api_key or not self.api_key.isprintable()
                                          or any(c.isspace() for c in self.api_key)):
             raise ValueError("api_key must be non-empty printable text without spaces; leave it "

@@ -8,6 +8,7 @@ requests never wait for it.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from astream.metrics import EngineMetrics
 from astream.outputs import Progress, StreamToken
+
+log = logging.getLogger("astream.requests")
 
 
 @dataclass(slots=True, frozen=True)
@@ -93,6 +96,18 @@ class RequestChannel:
         if finish_reason is not None:
             self.finish_reason = finish_reason
             self.send.close()
-            if self.metrics is not None:
-                self.metrics.finished(finish_reason, self.prompt_tokens())
+            self._ended(finish_reason)
         return delivered
+
+    def _ended(self, reason: str) -> None:
+        """Count the request and log one line for it (no prompt text)."""
+        prompt = self.prompt_tokens()
+        if self.metrics is not None:
+            self.metrics.finished(reason, prompt)
+        if not log.isEnabledFor(logging.INFO):
+            return
+        timing = self.timing()
+        ttft = "-" if timing["ttft_ms"] is None else f"{timing['ttft_ms']:.0f} ms"
+        rate = "-" if not timing["tpot_ms"] else f"{1e3 / timing['tpot_ms']:.1f} tok/s"
+        log.info("request %s %s: prompt %d tokens, generated %d, ttft %s, decode %s",
+                 self.request_id, reason, prompt, self.tokens_sent, ttft, rate)
