@@ -55,14 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     graph.set_defaults(run=_graph)
     for sub, run in ((generate, _generate), (chat, _chat), (serve, _serve)):
         sub.set_defaults(run=run)
-        sub.add_argument("--model", metavar="PATH", help="HF folder or .gguf file "
-                         "(default: the embedded SmolLM2-135M-Instruct)")
+        sub.add_argument("--model", metavar="PATH", help="HF folder, .gguf file or Hugging Face hub "
+                         "id such as Qwen/Qwen2.5-0.5B-Instruct (default: the embedded "
+                         "SmolLM2-135M-Instruct)")
         _add_options(sub.add_argument_group("engine options"), EngineConfig, _engine_skip(run), "auto")
     for sub in (generate, chat):
         _add_options(sub.add_argument_group("sampling options"), SamplingParams)
     _add_options(serve.add_argument_group("server options", f"--api-key may also come from "
                                           f"${API_KEY_ENV} (which keeps it out of `ps`)"), ServerOptions)
     serve.set_defaults(api_key=os.environ.get(API_KEY_ENV))
+    serve.add_argument("served_model", nargs="?", metavar="MODEL",
+                       help="the model, as --model takes it (astream serve Qwen/Qwen2.5-0.5B-Instruct)")
     from astream.eval.cli import add_eval_command
     add_eval_command(commands, lambda group: _add_options(group, EngineConfig, {"model", "seed"}, "auto"))
     return parser
@@ -119,6 +122,10 @@ def _configs(args: argparse.Namespace) -> tuple:
     from astream.engine import Engine
 
     engine = _pick(args, EngineConfig, _engine_skip(args.run))
+    if getattr(args, "served_model", None):
+        if args.model is not None and args.model != args.served_model:
+            raise ValueError(f"two models given: {args.served_model!r} and --model {args.model!r}")
+        args.model = args.served_model
     Engine.check_options(args.model, **engine)
     if args.run is _serve:
         if args.api_key == "" and os.environ.get(API_KEY_ENV) == "":

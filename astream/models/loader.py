@@ -12,6 +12,7 @@ import torch
 
 from astream.models.config import ModelConfig
 from astream.models.decoder import Decoder
+from astream.models.hub import hub_snapshot, looks_like_hub_id
 from astream.models.layers import RotaryTable
 from astream.models.weights import assemble_weights
 
@@ -42,9 +43,13 @@ def default_model_path() -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """A local folder or .gguf file; a Hugging Face hub id ('org/name') that is not a local
+    path resolves to its snapshot (astream.models.hub); None: the embedded model."""
     if model is None:
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.exists() and looks_like_hub_id(str(model)):
+        path = hub_snapshot(str(model))
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").is_file():
