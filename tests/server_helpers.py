@@ -28,19 +28,25 @@ async def health(port: int) -> dict:
     return body
 
 
-async def health_status(port: int) -> tuple[int, dict]:
-    """GET /health: the HTTP status and the JSON body."""
+async def http_get(port: int, path: str, headers: str = "") -> tuple[int, str, str]:
+    """A plain HTTP GET on the server's port: (status, head, body), read until it closes."""
     async with await anyio.connect_tcp("127.0.0.1", port) as sock:
-        await sock.send(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        await sock.send(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n".encode())
         data = b""
         try:
             while True:
                 data += await sock.receive()
         except (anyio.EndOfStream, anyio.BrokenResourceError):
             pass
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert b"application/json" in head, head
-    return int(head.split()[1]), json.loads(body)
+    head, _, body = data.decode().partition("\r\n\r\n")
+    return int(head.split()[1]), head, body
+
+
+async def health_status(port: int) -> tuple[int, dict]:
+    """GET /health: the HTTP status and the JSON body."""
+    status, head, body = await http_get(port, "/health")
+    assert "application/json" in head, head
+    return status, json.loads(body)
 
 
 @asynccontextmanager

@@ -11,25 +11,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from astream.client import Client
 from astream.server import ServerOptions, StreamServer
-from server_helpers import GREEDY, LONG, OPTIONS, wait_idle
+from server_helpers import GREEDY, LONG, OPTIONS, http_get, wait_idle
 
 pytestmark = pytest.mark.anyio
 
 
 async def scrape(port: int, headers: str = "") -> tuple[int, str, str]:
     """GET /metrics: (status, content type, body)."""
-    async with await anyio.connect_tcp("127.0.0.1", port) as sock:
-        await sock.send(f"GET /metrics HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n".encode())
-        data = b""
-        try:
-            while True:
-                data += await sock.receive()
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            pass
-    head, _, body = data.decode().partition("\r\n\r\n")
+    status, head, body = await http_get(port, "/metrics", headers)
     content_type = next((line.split(":", 1)[1].strip() for line in head.split("\r\n")
                          if line.lower().startswith("content-type:")), "")
-    return int(head.split()[1]), content_type, body
+    return status, content_type, body
 
 
 async def samples(port: int) -> dict:

@@ -10,10 +10,10 @@ through the ring: the chosen pages are read in place from the host pool by a dev
 kernel (OffloadEngine.gather_pages), so only they cross PCIe. Where the policy replaces
 prefill attention (a sparse prefill method, whose estimate needs every key of the
 prefix), prefill rows do not use the ring either: each chunk's prefix comes to the device
-whole (OffloadEngine.context_loads, a layer ahead of compute) and the policy attends over prefix and chunk at once,
-exactly as on the resident path. The layers the policy
-never makes sparse (the engine's `device_layers`) keep their whole cache on the device
-and attend there as on the resident path (PagedAttention over `on_device`).
+whole, a layer ahead of compute (OffloadEngine.context_loads), and the policy attends over
+prefix and chunk at once, exactly as on the resident path. The layers the policy never
+makes sparse (the engine's `device_layers`) keep their whole cache on the device and
+attend there as on the resident path (PagedAttention over `on_device`).
 """
 
 from __future__ import annotations

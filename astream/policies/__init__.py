@@ -47,7 +47,7 @@ def _combined_policy(spec: str, parts: list[tuple[str, dict]], budget_tokens: in
     built = {POLICIES[name].phase: _named_policy(spec, name, params,
                                                  budget_tokens if name in takes else None)
              for name, params in parts}
-    if len(built) != 2 or set(built) != {"prefill", "decode"}:
+    if set(built) != {"prefill", "decode"}:
         raise ValueError(f"sparse_policy {spec!r}: combine one prefill policy "
                          f"({', '.join(phase_policies('prefill'))}) with one decode policy "
                          f"({', '.join(phase_policies('decode'))})")

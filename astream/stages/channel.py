@@ -54,10 +54,10 @@ class RequestChannel:
     def token(self, token_id: int, text: str, finish_reason: str | None,
               error: str | None = None) -> bool:
         now = time.perf_counter()
-        if token_id >= 0 and self.metrics is not None and self.finish_reason is None:
-            first = self.first_token_at is None
-            self.metrics.token(now - (self.submitted_at if first else self.last_token_at), first)
         if token_id >= 0:
+            first = self.first_token_at is None
+            if self.metrics is not None and self.finish_reason is None:
+                self.metrics.token(now - (self.submitted_at if first else self.last_token_at), first)
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
             self.tokens_sent += 1
