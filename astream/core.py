@@ -263,6 +263,7 @@ class EngineCore:
                 "max_model_len": self.plan.max_model_len,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
                 "offload": self.config.offload, "sparse_policy": self._policy_name(),
+                "graph_steps": self.runner.graphs.steps if self.runner.graphs is not None else 0,
                 **self.runner.policy.stats(), **self._offload_stats()}
 
     def _policy_name(self) -> str:

@@ -1,5 +1,6 @@
 """GPU correctness on the embedded model: bf16 on the GPU (CUDA graphs, eager, and with KV
-offload) against the float32 CPU run, greedy, 5 prompts x 32 tokens. The CPU reference is
+offload; Quest resident and offloaded, from graphs and eager) against the float32 CPU run,
+greedy, 5 prompts x 32 tokens. The CPU reference is
 computed once on a CPU machine (`--reference`) and stored in benchmarks/results; a
 divergence is shown with the GPU model's logit margin at that step.
 
@@ -26,6 +27,11 @@ PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
 ]
 REFERENCE = RESULTS / "cpu_reference_smollm2.json"
+# Quest with a budget the prompts outgrow (16-token blocks: pages reach the host early):
+# resident, offload from CUDA graphs, offload eager.
+QUEST = {"kv_block_size": 16, "sparse_policy": "quest", "sparse_budget": 32}
+QUEST_VARIANTS = {"quest32": {}, "offload_quest32_graphs": {"offload": True},
+                  "offload_quest32_eager": {"offload": True, "enforce_eager": True}}
 
 
 def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -69,18 +75,27 @@ def main() -> None:
     reference = json.loads(REFERENCE.read_text())
     device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     variants = {"gpu_bf16_graphs": {}, "gpu_bf16_eager": {"enforce_eager": True},
-                "gpu_bf16_offload": {"offload": True}}
-    results = {}
+                "gpu_bf16_offload": {"offload": True},
+                **{f"gpu_bf16_{name}": {**QUEST, **extra} for name, extra in QUEST_VARIANTS.items()}}
+    results, tokens = {}, {}
     for name, extra in variants.items():
         with LLM(smollm2(), device=device, dtype=dtype, max_model_len=2048, **extra) as llm:
             outs = llm.generate([r["prompt_ids"] for r in reference], params)
+            graph_steps = llm.stats()["graph_steps"]
             results[name] = [{"identical": ref["tokens"] == out.token_ids, "text": out.text,
                               "divergence": divergence(llm, ref["prompt_ids"], ref["tokens"], out.token_ids)}
                              for ref, out in zip(reference, outs)]
-        print(name, sum(r["identical"] for r in results[name]), "/", len(reference), "identical", flush=True)
+        tokens[name] = [out.token_ids for out in outs]
+        print(name, sum(r["identical"] for r in results[name]), "/", len(reference),
+              f"identical to the CPU; {graph_steps} steps from CUDA graphs", flush=True)
         for r in results[name]:
             if r["divergence"]:
                 print("   ", r["divergence"], flush=True)
+    # Quest at a budget below the context is not Full: its variants are compared with each other.
+    quest = [f"gpu_bf16_{name}" for name in QUEST_VARIANTS]
+    results["quest_agreement"] = {
+        f"{a} vs {b}": sum(x == y for x, y in zip(tokens[a], tokens[b])) for a, b in zip(quest, quest[1:])}
+    print("Quest, same tokens (of 5):", results["quest_agreement"], flush=True)
     save("gpu_correctness", results, smoke=args.smoke)
 
 

@@ -22,6 +22,7 @@ import torch
 from common import percentile, save, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
+from astream.executor.build import build_graphs
 from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
@@ -43,9 +44,11 @@ def decode_steps(core: EngineCore, steps: int) -> list[float]:
 def set_budget(core: EngineCore, budget: int) -> None:
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
-    if core.runner.graphs is not None:           # graphs bake the selection in: capture again
-        with torch.inference_mode():
-            core.runner.graphs.capture()
+    # Graphs bake the selection in: capture again (with offload, Full has none: it reads
+    # through the ring, eagerly). --eager keeps every step eager.
+    core.runner.graphs = None
+    gc.collect()
+    core.runner.graphs = build_graphs(core.config, core.plan, core.runner)
 
 
 def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int) -> list:
@@ -108,6 +111,7 @@ def main() -> None:
     parser.add_argument("--cases", default="", help="only these CTXxBATCH cases, e.g. 131072x1")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
     parser.add_argument("--budgets", default="", help="only these budgets, e.g. full,4096")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     args = parser.parse_args()
     smoke = args.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
@@ -115,7 +119,7 @@ def main() -> None:
                 tokenizer=args.tokenizer or smollm2(), device="cpu" if smoke else "cuda",
                 dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2),
-                max_num_batched_tokens=16384)
+                max_num_batched_tokens=16384, enforce_eager=args.eager)
     budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
     if args.budgets:
         budgets = [FULL if b == "full" else int(b) for b in args.budgets.split(",")]
@@ -126,17 +130,18 @@ def main() -> None:
         resident_cases = [case for case in resident_cases if case in wanted]
         offload_cases = [case for case in offload_cases if case in wanted]
     steps = 3 if smoke else args.steps
+    name = "quest_speed_eager" if args.eager else "quest_speed"
     results = {"shape": shape, "steps_timed": steps}
     if "resident" not in args.skip:
         results["resident"] = run_mode(EngineConfig(**base), resident_cases, budgets, steps)
-        save("quest_speed", results, smoke=smoke)
+        save(name, results, smoke=smoke)
     if "offload" not in args.skip:
         block = 16 if smoke else 256
         pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
         cfg = EngineConfig(**{**base, "offload": True, "num_kv_blocks": pool,
                               **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
         results["offload"] = run_mode(cfg, offload_cases, budgets, steps)
-    save("quest_speed", results, smoke=smoke)
+    save(name, results, smoke=smoke)
     summarize(results)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from astream.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
+from astream.executor.offload_graphs import OffloadDecodeGraphs, selects_everywhere
 from astream.executor.offload_plan import TailSlots
 from astream.executor.runner import ModelRunner
 from astream.kvcache.offload_engine import OffloadEngine
@@ -23,10 +24,9 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
                  policy: SparsePolicy) -> ModelRunner:
     dtype, device, model = decoder.dtype, runtime.device, decoder.config
     backends = AttentionBackends.select(device, dtype, model.head_dim)
-    # The resident cache has one scratch block past its last (CUDA-graph padding writes there).
+    # One scratch block past the last: padded rows of a CUDA-graph batch write there.
     layout = KVLayout(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
-                      plan.num_blocks + (0 if config.offload else 1), plan.block_size, dtype, device,
-                      config.offload)
+                      plan.num_blocks + 1, plan.block_size, dtype, device, config.offload)
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
     parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=policy.bind(layout),
@@ -37,14 +37,32 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
             model, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
             sizes.staging_blocks, config.max_num_seqs, dtype, runtime,
             device_layers=policy.offload_device_layers(model.num_layers))
-        return ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
-    cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, dtype, device)
-    graphs = None
-    if runtime.is_cuda and not config.enforce_eager:
-        graphs = DecodeGraphs(decoder, cache, backends, parts["policy"],
-                              min(config.cuda_graph_max_batch, config.max_num_seqs),
-                              max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
-                              max_context=plan.max_model_len)
-        with torch.inference_mode():
-            graphs.capture()
-    return ModelRunner(**parts, cache=cache, graphs=graphs)
+        runner = ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
+    else:
+        cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, dtype, device)
+        runner = ModelRunner(**parts, cache=cache)
+    runner.graphs = build_graphs(config, plan, runner)
+    return runner
+
+
+def build_graphs(config: EngineConfig, plan: CachePlan,
+                 runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs | None:
+    """Decode steps captured in CUDA graphs for the runner's KV backend, or None where steps
+    run eagerly: on the CPU, under enforce_eager, and with offload unless the policy selects
+    decode pages on every offloaded layer (otherwise a step reads through the ring)."""
+    if not runner.runtime.is_cuda or config.enforce_eager:
+        return None
+    shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+                 max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
+                 max_context=plan.max_model_len)
+    if runner.offload is None:
+        graphs = DecodeGraphs(runner.decoder, runner.cache, runner.backends, runner.policy, **shape)
+    elif selects_everywhere(runner.policy, runner.offload, runner.decoder.config.num_layers,
+                            plan.max_model_len):
+        graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
+                                     runner.policy, **shape)
+    else:
+        return None
+    with torch.inference_mode():
+        graphs.capture()
+    return graphs

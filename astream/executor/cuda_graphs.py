@@ -8,10 +8,12 @@ step only copies its inputs into them and replays.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from astream.executor.inputs import AttentionMetadata, StepInputs
+from astream.executor.offload_plan import OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
@@ -28,6 +30,27 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def capture_graphs(max_batch: int, run_eager: Callable[[int], torch.Tensor], out: torch.Tensor,
+                   device: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
+    """One graph per capture size, largest first, sharing one memory pool: each replay runs
+    `run_eager(size)` over the static buffers and leaves its result in out[:size]."""
+    graphs, pool = {}, torch.cuda.graph_pool_handle()
+    for size in sorted(capture_sizes(max_batch), reverse=True):
+        run_eager(size)                                 # warm up kernels (Triton compiles here)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out[:size] = run_eager(size)
+        graphs[size] = graph
+    torch.cuda.synchronize(device)
+    return graphs
+
+
+def padded_size(sizes, n: int) -> int:
+    """The smallest captured size that holds n rows."""
+    return min(s for s in sizes if s >= n)
+
+
 @dataclass(slots=True)
 class DecodeGraphs:
     decoder: Decoder
@@ -39,6 +62,7 @@ class DecodeGraphs:
     max_context: int
     graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0                       # steps replayed
 
     def capture(self) -> None:
         device = self.decoder.device
@@ -52,24 +76,16 @@ class DecodeGraphs:
             "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
                                   device=device),
         }
-        pool = torch.cuda.graph_pool_handle()
-        for size in sorted(capture_sizes(self.max_batch), reverse=True):
-            self._run_eager(size)                    # warm up kernels (Triton compiles here)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.buffers["hidden"][:size] = self._run_eager(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
+        self.graphs = capture_graphs(self.max_batch, self._run_eager, self.buffers["hidden"], device)
 
-    def can_run(self, inputs: StepInputs) -> bool:
+    def can_run(self, inputs: StepInputs, plan: OffloadStepPlan | None = None) -> bool:
         attn = inputs.attn
         return (attn.num_prefill_tokens == 0 and inputs.num_tokens <= self.max_batch
                 and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None = None) -> torch.Tensor:
         n = inputs.num_tokens
-        size = next(s for s in sorted(self.graphs) if s >= n)
+        size = padded_size(self.graphs, n)
         buf, attn = self.buffers, inputs.attn
         buf["input_ids"][:n].copy_(inputs.input_ids)
         buf["positions"][:n].copy_(inputs.positions)
@@ -80,6 +96,7 @@ class DecodeGraphs:
         buf["lens"][:n].copy_(attn.decode_context_lens)
         buf["lens"][n:size].zero_()
         self.graphs[size].replay()
+        self.steps += 1
         return buf["hidden"][:n]
 
     def _run_eager(self, size: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.inputs import StepInputs, build_inputs
 from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
+from astream.executor.offload_graphs import OffloadDecodeGraphs
 from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
@@ -57,8 +58,9 @@ class StepOutput:
 
 @dataclass(slots=True)
 class ModelRunner:
-    """Runs steps over one KV backend: `cache` (device-resident, maybe with CUDA graphs),
-    or `offload` with its `tails` (host pool behind a device ring). Built by executor.build."""
+    """Runs steps over one KV backend: `cache` (device-resident), or `offload` with its
+    `tails` (host pool behind a device ring); either may replay decode steps from CUDA
+    `graphs`. Built by executor.build."""
 
     decoder: Decoder
     runtime: DeviceRuntime
@@ -67,7 +69,7 @@ class ModelRunner:
     generator: torch.Generator
     block_size: int
     cache: PagedKVCache | None = None
-    graphs: DecodeGraphs | None = None
+    graphs: DecodeGraphs | OffloadDecodeGraphs | None = None
     offload: OffloadEngine | None = None
     tails: TailSlots | None = None
 
@@ -112,7 +114,9 @@ class ModelRunner:
             if previous is None:
                 raise RuntimeError("a batch with pending tokens needs the previous step's output")
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
-        if step.offload_plan is not None:
+        if self.graphs is not None and self.graphs.can_run(inputs, step.offload_plan):
+            hidden = self.graphs.run(inputs, step.offload_plan)
+        elif step.offload_plan is not None:
             hidden = yield from self._offloaded_forward(step)
         else:
             hidden = yield from self._forward(inputs)
@@ -123,8 +127,6 @@ class ModelRunner:
         return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded)
 
     def _forward(self, inputs: StepInputs) -> Generator[Event, None, torch.Tensor]:
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            return self.graphs.run(inputs)
         attend = PagedAttention(self.cache, inputs.attn, self.backends, self.policy, self.scale)
         return (yield from self._layers(inputs, attend))
 

@@ -8,13 +8,14 @@ it in one piece) and every copy between host and device is a plain block range:
 - ring: `num_slots` device buffers a layer's host KV is loaded into;
 - staging: two device buffers new KV is written to before it leaves for the host;
 - tails: one device block per running sequence and layer, holding its newest,
-  not yet full block;
+  not yet full block, and one scratch block (padded rows of a captured step write it);
 - on_device: for the layers a sparse policy never makes sparse (`device_layers`, e.g.
   Quest's dense layers), a device copy of their whole cache, paged by the host pool's
   block ids. Those layers are read and written there only: their KV never crosses PCIe
   (the resident path's attention runs on it, through `on_device`).
 
-Its whole API: `write_layer` (a layer's new KV in, and on its way to the host),
+Its whole API: `write_layer` (a layer's new KV in, and on its way to the host; after a
+captured decode step, `send_tails` and `wait_offloads` do its ordering from outside),
 `tails` (the device tails a layer's decode attends to), `loads` (one step's loads into
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
 when the caller is done with it, and the next load starts), `gather_pages` (chosen
@@ -136,6 +137,10 @@ class OffloadEngine:
         return self.slots[0].k.shape[2]
 
     @property
+    def scratch_tail(self) -> int:
+        return self.tail_k[0].shape[0] - 1
+
+    @property
     def block_bytes(self) -> int:
         k = self.host_k[0]
         return 2 * k[0].numel() * k.element_size()
@@ -156,24 +161,40 @@ class OffloadEngine:
             _store((self.tail_k[layer], self.tail_v[layer]), k.index_select(0, new.tail_rows),
                    v.index_select(0, new.tail_rows), new.tail_index)
         if new.staging_to_host or new.tails_to_host:
-            self._to_host(layer, staging, new)
+            done = self._to_host([layer], staging, new)
+            if new.staging_to_host:
+                self.staging_free[layer % 2] = done
 
     def tails(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's device tail blocks, [max_seqs + 1, block_size, kv_heads, head_dim] views."""
         return self.tail_k[layer].transpose(1, 2), self.tail_v[layer].transpose(1, 2)
 
-    def _to_host(self, layer: int, staging: tuple[torch.Tensor, torch.Tensor], new: NewKV) -> None:
+    def send_tails(self, layers: list[int], runs: tuple[Run, ...]) -> None:
+        """After a captured decode step (a CUDA graph holds no D2H copies): the tails it filled
+        (`runs`, tail -> host block), in every layer of `layers`, on their way to the host."""
+        if runs:
+            self._to_host(layers, None, NewKV(None, None, None, None, (), runs))
+
+    def wait_offloads(self) -> None:
+        """The compute stream waits for every layer's latest offload, as `write_layer` and
+        `gather_pages` do one layer at a time (a captured step cannot wait inside)."""
+        for event in self.pending_offloads():
+            self.runtime.wait(event)
+
+    def _to_host(self, layers: list[int], staging: tuple[torch.Tensor, torch.Tensor] | None,
+                 new: NewKV) -> Event:
         rt = self.runtime
         rt.wait(rt.record_event(), self.d2h)    # the compute that wrote the KV comes first
         with rt.on(self.d2h):
-            for run in new.staging_to_host:
-                self._copy_to_host(layer, run, *staging)
-            for run in new.tails_to_host:
-                self._copy_to_host(layer, run, self.tail_k[layer], self.tail_v[layer])
+            for layer in layers:
+                for run in new.staging_to_host:
+                    self._copy_to_host(layer, run, *staging)
+                for run in new.tails_to_host:
+                    self._copy_to_host(layer, run, self.tail_k[layer], self.tail_v[layer])
             done = rt.record_event(self.d2h)
-        self.offloaded[layer] = done
-        if new.staging_to_host:
-            self.staging_free[layer % 2] = done
+        for layer in layers:
+            self.offloaded[layer] = done
+        return done
 
     def _copy_to_host(self, layer: int, run: Run, k: torch.Tensor, v: torch.Tensor) -> None:
         src, dst, count = run
@@ -230,6 +251,13 @@ class OffloadEngine:
     def pending_offloads(self) -> list[Event]:
         """Events of the latest offload per layer, for the engine to await before reuse."""
         return [e for e in self.offloaded if e is not None]
+
+    def settle(self) -> None:
+        """Wait, on the host, for every offload in flight and forget its event (start-up and
+        CUDA-graph capture only: a capture may not wait on work recorded outside it)."""
+        self.runtime.synchronize()
+        self.offloaded = [None] * len(self.offloaded)
+        self.staging_free = [None, None]
 
     def free_host_pool(self) -> None:
         """Give the host pool's pinned pages back (call once the device is idle)."""

@@ -1,0 +1,162 @@
+"""CUDA graphs for offloaded decode steps under a policy that selects decode pages (Quest).
+
+Such a step moves nothing through the ring: the dense layers read their device copy, every
+other layer gathers the pages its queries choose straight from the host pool, and new KV
+goes to the device tails. Launched eagerly, the step is bound by the host (about a
+thousand small launches); replayed from a graph it is bound by the device.
+
+A graph holds no host decision and no wait on work outside it, so around each replay:
+- before: the compute stream waits for every layer's latest offload (the graph reads host
+  pages and overwrites tails those copies may still touch: `OffloadEngine.wait_offloads`);
+- after: the tails the step filled leave for the host (`OffloadEngine.send_tails`).
+
+Every sparse layer selects, whatever the context: a budget that covers the context picks
+every page, which is what the ring would have loaded. Padded rows write the scratch slot
+of the device layers and of the policy's bounds, and the engine's scratch tail, and read
+no host page. An instance that was not captured runs the same static program eagerly
+(CPU, tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from astream.executor.cuda_graphs import capture_graphs, capture_sizes, padded_size
+from astream.executor.inputs import AttentionMetadata, StepInputs
+from astream.executor.offload_attention import OffloadAttention
+from astream.executor.offload_plan import DecodeContext, OffloadStepPlan
+from astream.executor.paged_attention import PagedAttention
+from astream.kvcache.offload_engine import NewKV, OffloadEngine
+from astream.models.decoder import Decoder
+from astream.ops.backends import AttentionBackends
+from astream.policies import PolicyRuntime
+
+
+def selects_everywhere(policy: PolicyRuntime, engine: OffloadEngine, num_layers: int,
+                       max_context: int) -> bool:
+    """Whether every layer off the device selects decode pages: only then can a decode step
+    skip the ring, and so be captured."""
+    return any(policy.selects_decode(layer, max_context) for layer in range(num_layers)) and all(
+        layer in engine.device_layers or policy.selects_decode(layer, max_context)
+        for layer in range(num_layers))
+
+
+@dataclass(slots=True)
+class OffloadDecodeGraphs:
+    decoder: Decoder
+    engine: OffloadEngine
+    backends: AttentionBackends
+    policy: PolicyRuntime
+    max_batch: int
+    max_blocks_per_seq: int
+    max_context: int
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: int = 0                       # steps run from the static buffers
+
+    def __post_init__(self) -> None:
+        device, b, m = self.decoder.device, self.max_batch, self.max_blocks_per_seq
+
+        def zeros(*shape: int, dtype=torch.int64) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.buffers = {
+            "input_ids": zeros(b), "positions": zeros(b),
+            "slots": zeros(b),                              # host-pool slot of each new token
+            "tables": zeros(b, m, dtype=torch.int32),       # every block: the device layers
+            "lens": zeros(b, dtype=torch.int32),
+            "tail_index": zeros(b), "tail_tables": zeros(b, 1, dtype=torch.int32),
+            "tail_lens": zeros(b, dtype=torch.int32),
+            "host_tables": zeros(b, m, dtype=torch.int32),  # full host blocks: pages to pick from
+            "host_lens": zeros(b, dtype=torch.int32),
+            "rows": torch.arange(b, device=device),
+            "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
+                                  device=device),
+        }
+
+    @property
+    def scratch_slot(self) -> int:
+        engine = self.engine
+        return engine.host_k[0].shape[0] * engine.block_size
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [layer for layer in range(self.decoder.config.num_layers)
+                if layer not in self.engine.device_layers]
+
+    def capture(self) -> None:
+        self.engine.settle()
+        self._pad(0, self.max_batch)
+        self.graphs = capture_graphs(self.max_batch, self._run_eager, self.buffers["hidden"],
+                                     self.decoder.device)
+
+    def can_run(self, inputs: StepInputs, plan: OffloadStepPlan | None) -> bool:
+        attn = inputs.attn
+        return (plan is not None and attn.num_prefill_tokens == 0
+                and inputs.num_tokens <= self.max_batch
+                and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
+
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan) -> torch.Tensor:
+        n = inputs.num_tokens
+        size = padded_size(capture_sizes(self.max_batch), n)
+        self._fill(inputs, plan)
+        self._pad(n, size)
+        self.engine.wait_offloads()
+        if size in self.graphs:
+            self.graphs[size].replay()
+        else:
+            self.buffers["hidden"][:size] = self._run_eager(size)
+        self.engine.send_tails(self.sparse_layers, plan.new_kv.tails_to_host)
+        self.steps += 1
+        return self.buffers["hidden"][:n]
+
+    def _fill(self, inputs: StepInputs, plan: OffloadStepPlan) -> None:
+        buf, attn, n = self.buffers, inputs.attn, inputs.num_tokens
+        buf["input_ids"][:n].copy_(inputs.input_ids)
+        buf["positions"][:n].copy_(inputs.positions)
+        buf["slots"][:n].copy_(attn.slot_mapping)
+        buf["tables"][:n, :attn.decode_block_tables.shape[1]].copy_(attn.decode_block_tables)
+        buf["lens"][:n].copy_(attn.decode_context_lens)
+        buf["tail_index"][:n].copy_(plan.new_kv.tail_index)
+        buf["tail_tables"][:n].copy_(plan.decode_tail_tables)
+        buf["tail_lens"][:n].copy_(plan.decode_tail_lens)
+        context = plan.decode_context
+        if context is None:                 # no row has a full block on the host yet
+            buf["host_lens"][:n].zero_()
+        else:
+            buf["host_tables"][:n, :context.block_tables.shape[1]].copy_(context.block_tables)
+            buf["host_lens"][:n].copy_(context.context_lens)
+
+    def _pad(self, n: int, size: int) -> None:
+        """Rows n..size: one token in the scratch tail, no host page, nothing else touched."""
+        buf, scratch_tail = self.buffers, self.engine.scratch_tail
+        buf["slots"][n:size].fill_(self.scratch_slot)
+        buf["lens"][n:size].zero_()
+        buf["tail_index"][n:size].fill_(scratch_tail * self.engine.block_size)
+        buf["tail_tables"][n:size].fill_(scratch_tail)
+        buf["tail_lens"][n:size].fill_(1)
+        buf["host_lens"][n:size].zero_()
+
+    def _run_eager(self, size: int) -> torch.Tensor:
+        buf, engine, layers = self.buffers, self.engine, self.decoder.config.num_layers
+        rows = buf["rows"][:size]
+        plan = OffloadStepPlan(
+            jobs=[], prefill_jobs=[], decode_jobs=[], num_prefill_tokens=0, chunk_meta=None,
+            new_kv=NewKV(None, None, rows, buf["tail_index"][:size], (), ()),
+            decode_tail_tables=buf["tail_tables"][:size], decode_tail_lens=buf["tail_lens"][:size],
+            decode_context=DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size],
+                                         self.max_context))
+        meta = AttentionMetadata(
+            num_prefill_tokens=0, slot_mapping=buf["slots"][:size], prefill=None,
+            prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
+            decode_context_lens=buf["lens"][:size], decode_max_context=self.max_context)
+        scale = self.decoder.config.head_dim ** -0.5
+        on_device = None if engine.on_device is None else PagedAttention(
+            engine.on_device, meta, self.backends, self.policy, scale)
+        attend = OffloadAttention(
+            engine, plan, engine.loads([[] for _ in range(layers)]),
+            [layer not in engine.device_layers for layer in range(layers)], meta.slot_mapping,
+            self.backends, self.policy, scale, on_device)
+        return self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)

@@ -1,0 +1,71 @@
+"""Offloaded Quest decode steps from static buffers (what a CUDA graph replays): the same
+tokens as the eager offload path, with padding rows, filled tails sent to the host after
+the step, and every block returned. On the CPU the static program runs eagerly; on a GPU
+the same program is captured (benchmarks/gpu_correctness.py and quest_decode.py run it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from astream import LLM, SamplingParams
+from astream.executor.offload_graphs import OffloadDecodeGraphs, selects_everywhere
+from astream.policies import QuestPolicy
+
+KW = dict(device="cpu", dtype="float32", kv_block_size=16, num_kv_blocks=384, max_model_len=2048,
+          offload=True, max_num_seqs=4)
+# About 700 tokens, so a 128-token budget reads a fraction of it; the short prompts have no
+# full host block at first, and finish at different steps, so batches shrink and pad.
+LONG = " ".join(f"Note {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7 % 97} stones."
+                for i in range(60)) + " Which box holds the most stones?"
+PROMPTS = [LONG, "The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 33, 20, 7)]
+
+
+def quest(dense_layers: int = 2) -> QuestPolicy:
+    return QuestPolicy(budget_tokens=128, dense_layers=dense_layers)
+
+
+def with_static_graphs(llm: LLM, max_batch: int) -> OffloadDecodeGraphs:
+    runner, plan = llm.core.runner, llm.core.plan
+    runner.graphs = OffloadDecodeGraphs(
+        runner.decoder, runner.offload, runner.backends, runner.policy, max_batch=max_batch,
+        max_blocks_per_seq=-(-plan.max_model_len // plan.block_size), max_context=plan.max_model_len)
+    return runner.graphs
+
+
+@pytest.mark.parametrize("dense_layers", [2, 0])
+def test_static_decode_steps_give_the_eager_offload_tokens(dense_layers):
+    with LLM(**KW, sparse_policy=quest(dense_layers)) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    with LLM(**KW, sparse_policy=quest(dense_layers)) as llm:
+        graphs = with_static_graphs(llm, max_batch=4)
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        stats = llm.stats()
+        # The long prompt decodes 39 steps; all but one mixed with the others' prefill are
+        # pure decode steps and ran from the buffers.
+        assert stats["graph_steps"] == graphs.steps >= 38
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert stats["offload_tail_blocks_used"] == 0
+        # 40 tokens after ~700 fill two or more tails; they reached the host and were read.
+        assert stats["offload_bytes_offloaded"] > 0
+    assert got == want
+
+
+def test_static_steps_pad_a_batch_to_a_captured_size():
+    with LLM(**KW, sparse_policy=quest()) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS[1:], PARAMS[1:])]
+    with LLM(**KW, sparse_policy=quest()) as llm:
+        with_static_graphs(llm, max_batch=4)           # 3 rows pad to 4, 2 to 2, 1 to 1
+        assert [o.token_ids for o in llm.generate(PROMPTS[1:], PARAMS[1:])] == want
+
+
+def test_only_a_policy_that_selects_on_every_offloaded_layer_is_captured():
+    with LLM(**KW, sparse_policy=quest()) as llm:
+        runner = llm.core.runner
+        layers = runner.decoder.config.num_layers
+        assert runner.graphs is None                   # nothing is captured on the CPU
+        assert selects_everywhere(runner.policy, runner.offload, layers, 2048)
+        assert not selects_everywhere(runner.policy, runner.offload, layers, 128)   # budget covers it
+    with LLM(**KW) as llm:                             # Full reads everything through the ring
+        runner = llm.core.runner
+        assert not selects_everywhere(runner.policy, runner.offload, layers, 2048)
