@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt; '-' reads it from stdin")
     generate.add_argument("--chat", action="store_true", help="apply the model's chat template")
     chat = commands.add_parser("chat", help="interactive multi-turn chat (/exit or EOF quits)")
-    serve = commands.add_parser("serve", help="websocket server (protocol astream-ws/1)")
+    serve = commands.add_parser("serve", help="websocket (astream-ws/1) and OpenAI API server")
     graph = commands.add_parser("graph", help="print the engine's stage graph")
     graph.set_defaults(run=_graph)
     for sub, run in ((generate, _generate), (chat, _chat), (serve, _serve)):
@@ -255,8 +255,9 @@ async def _serve(args: argparse.Namespace, engine_kw: dict, options) -> None:
     async with Engine(args.model, load_progress=status.loading, **engine_kw) as engine:
         async with StreamServer(engine, options) as server:
             http_url = server.url.replace("ws://", "http://", 1)
-            print(f"astream: serving {PROTOCOL_VERSION} on {server.url} (health: {http_url}/health, "
-                  f"metrics: {http_url}/metrics)", file=sys.stderr, flush=True)
+            print(f"astream: serving {PROTOCOL_VERSION} on {server.url} and the OpenAI API on "
+                  f"{http_url}/v1 as model {server.openai.served_model!r} (health: "
+                  f"{http_url}/health, metrics: {http_url}/metrics)", file=sys.stderr, flush=True)
             await _serve_until_signalled(server, options.shutdown_timeout)
 
 

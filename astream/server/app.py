@@ -1,4 +1,5 @@
-"""StreamServer: the websocket front of one running Engine, with a graceful shutdown.
+"""StreamServer: one running Engine served on one port, over websockets (astream-ws/1) and
+the OpenAI HTTP API, with a graceful shutdown.
 
     async with Engine(...) as engine, StreamServer(engine, ServerOptions(port=0)) as server:
         print(server.url)
@@ -15,16 +16,19 @@ from __future__ import annotations
 import itertools
 
 import anyio
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, unix_serve
 
 from astream.engine import Engine
+from astream.server.front import HttpFront
 from astream.server.http import make_process_request
+from astream.server.openai_routes import OpenAIRoutes
 from astream.server.options import ServerOptions
 from astream.server.session import Session
 from astream.server.state import ServerState
 
 _ABORT_GRACE_S = 5.0        # after aborting, time for relays to send their "abort" done frames
 _TRY_AGAIN_LATER = 1013     # websocket close code for a server at its connection limit
+DEFAULT_SERVED_MODEL = "SmolLM2-135M-Instruct"     # the embedded model's id on /v1/models
 
 
 class StreamServer:
@@ -36,15 +40,23 @@ class StreamServer:
         self._sessions: set[Session] = set()
         self._serials = itertools.count(1)
         self._hurry: anyio.Event | None = None
+        self.openai = OpenAIRoutes(self.state, self.options.served_model_name
+                                   or engine.config.model or DEFAULT_SERVED_MODEL)
+        self._front = HttpFront(self.openai)
         self._ws: Server | None = None
         self._port = 0
 
     async def __aenter__(self) -> "StreamServer":
         self._hurry = anyio.Event()
-        self._ws = await serve(self._handle, self.options.host, self.options.port,
-                               process_request=make_process_request(self.state),
-                               max_size=self.options.max_frame_bytes, compression=None)
-        self._port = self._ws.sockets[0].getsockname()[1]
+        self._ws = await unix_serve(self._handle, self._front.backend_path,
+                                    process_request=make_process_request(self.state),
+                                    max_size=self.options.max_frame_bytes, compression=None)
+        try:
+            self._port = await self._front.start(self.options.host, self.options.port)
+        except BaseException:
+            self._ws.close()
+            await self._ws.wait_closed()
+            raise
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -96,15 +108,18 @@ class StreamServer:
             return
         ws, self._ws = self._ws, None
         self.state.closing = True
-        ws.server.close()                      # stops listening; open connections keep going
+        self._front.stop_listening()           # open connections keep going
+        ws.server.close()
         with anyio.move_on_after(self.options.shutdown_timeout if timeout is None else timeout):
             await self._wait_idle_or_hurry()
         for session in list(self._sessions):
             await session.abort_all()
+        await self.openai.abort_all()
         with anyio.move_on_after(_ABORT_GRACE_S):
             await self.state.idle.wait()
         ws.close()                             # code 1001, going away
         await ws.wait_closed()
+        await self._front.close()
 
     async def _wait_idle_or_hurry(self) -> None:
         async with anyio.create_task_group() as group:

@@ -71,7 +71,7 @@ def _unauthorized(connection: ServerConnection, request: Request, state: ServerS
     if api_key is None:
         return None
     authorization = request.headers.get_all("Authorization")
-    if len(authorization) == 1 and _authorized(authorization[0], api_key):
+    if len(authorization) == 1 and authorized(authorization[0], api_key):
         return None
     response = connection.respond(HTTPStatus.UNAUTHORIZED,
                                   "missing or wrong API key: send 'Authorization: Bearer KEY'\n")
@@ -93,7 +93,7 @@ def json_response(connection: ServerConnection, status: HTTPStatus, body: dict) 
     return response
 
 
-def _authorized(header: str | None, api_key: str) -> bool:
+def authorized(header: str | None, api_key: str) -> bool:
     scheme, _, token = (header or "").partition(" ")
     # compare_digest: the time taken must not reveal how much of the key matched.
     offered = token.strip().encode("utf-8", "surrogateescape")

@@ -1,4 +1,4 @@
-"""ServerOptions: the websocket server's own settings (engine settings live in EngineConfig)."""
+"""ServerOptions: the server's own settings (engine settings live in EngineConfig)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class ServerOptions:
     shutdown_timeout: float = 30.0           # seconds in-flight requests get to finish on shutdown
     progress_interval: float = 2.0           # longest gap between progress frames during prefill
     log_level: str = "info"                  # debug | info (a line per finished request) | warning | error
+    served_model_name: str | None = None     # the model id /v1/models reports; None: the model as given
 
     def __post_init__(self) -> None:
         self.allowed_origins = tuple(self.allowed_origins)
@@ -40,6 +41,10 @@ class ServerOptions:
                                          or any(c.isspace() for c in self.api_key)):
             raise ValueError("api_key must be non-empty printable text without spaces; leave it "
                              "unset to disable auth")
+        if self.served_model_name is not None and not (self.served_model_name.strip()
+                                                       and self.served_model_name.isprintable()):
+            raise ValueError(f"served_model_name must be non-empty printable text, got "
+                             f"{self.served_model_name!r}")
         for origin in self.allowed_origins:
             if not origin or not origin.isprintable():
                 raise ValueError(f"allowed origins must be non-empty printable text, got {origin!r}")
