@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
+import sys
 import tempfile
 
 from astream.server.http11 import HttpConnection, HttpError
 from astream.server.openai_routes import OpenAIRoutes
 
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup          # anyio's dependency there
+
 _RELAY_CHUNK = 65536
+log = logging.getLogger("astream.server")
 
 
 class HttpFront:
@@ -72,8 +78,9 @@ class HttpFront:
             with contextlib.suppress(OSError):
                 await conn.send(exc.status, f"{exc.message}\n".encode(), "text/plain",
                                 (("Connection", "close"),))
-        except (OSError, TimeoutError):
-            pass                                  # the client went away, or never finished
+        except Exception as exc:
+            if not _went_away(exc):               # a bug: this connection ends, the server lives
+                log.exception("HTTP connection failed")
         finally:
             self._writers.discard(writer)
             writer.close()
@@ -103,3 +110,10 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, half
     except (OSError, asyncio.IncompleteReadError):
         pass
 
+
+
+def _went_away(exc: BaseException) -> bool:
+    """A client that left or never finished its request (maybe inside a task group's group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_went_away(inner) for inner in exc.exceptions)
+    return isinstance(exc, (OSError, TimeoutError))

@@ -51,7 +51,6 @@ class HttpConnection:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     buffered: bytearray = field(default_factory=bytearray)   # read past the current request
-    gone: asyncio.Event = field(default_factory=asyncio.Event)   # the client closed its side
 
     async def read_head(self) -> RequestHead | None:
         """The next request head, or None when the client closed between requests."""
@@ -89,13 +88,9 @@ class HttpConnection:
         return body
 
     async def watch(self) -> None:
-        """Read on while a request runs: EOF sets `gone`; anything else (a pipelined next
-        request) is kept for `read_head`. Cancel it before reading the next head."""
-        while True:
-            data = await self.reader.read(65536)
-            if not data:
-                self.gone.set()
-                return
+        """Read on while a request runs; return when the client closes its side. Anything
+        read (a pipelined next request) is kept for `read_head`. Cancel it before that."""
+        while data := await self.reader.read(65536):
             self.buffered += data
 
     async def send(self, status: HTTPStatus, body: bytes, content_type: str,
