@@ -161,3 +161,16 @@ async def test_auth_origin_and_draining_follow_the_websocket_rules():
         status, _, body = await raw_request(srv.port, "POST", "/v1/completions", payload)
         assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable"
         srv.state.closing = False
+
+
+async def test_a_long_prefill_streams_progress_comments_before_the_first_token():
+    prompt = " ".join(f"item {i}" for i in range(400))              # about 1,600 tokens
+    async with serving({"max_num_batched_tokens": 256}) as srv:    # a prefill of 7 chunks
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": True})
+        status, head, text = await raw_request(srv.port, "POST", "/v1/completions", body.encode())
+    assert status == 200 and "text/event-stream" in head
+    events = [line for line in text.split("\n") if line.startswith((": prefill", "data: "))]
+    comments = [json.loads(e.removeprefix(": prefill ")) for e in events if e.startswith(":")]
+    assert comments and events.index(next(e for e in events if e.startswith("data: {"))) > 0
+    assert comments[-1]["total"] > 1500 and 0 < comments[-1]["prefilled"] <= comments[-1]["total"]
+    assert events[-1] == "data: [DONE]"
