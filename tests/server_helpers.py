@@ -30,8 +30,13 @@ async def health(port: int) -> dict:
 
 async def http_get(port: int, path: str, headers: str = "") -> tuple[int, str, str]:
     """A plain HTTP GET on the server's port: (status, head, body), read until it closes."""
+    return await http_exchange(port, f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n".encode())
+
+
+async def http_exchange(port: int, request: bytes) -> tuple[int, str, str]:
+    """Send raw request bytes on a fresh connection; (status, head, body), read until it closes."""
     async with await anyio.connect_tcp("127.0.0.1", port) as sock:
-        await sock.send(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n".encode())
+        await sock.send(request)
         data = b""
         try:
             while True:

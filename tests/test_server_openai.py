@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from astream import LLM, SamplingParams
-from server_helpers import ENGINE_KW, serving, wait_idle
+from server_helpers import ENGINE_KW, http_exchange, serving, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", [("asyncio", {})])]
 
@@ -39,17 +39,8 @@ async def raw_request(port: int, method: str, path: str, body: bytes = b"", head
                       length: int | None = None) -> tuple[int, str, str]:
     """One HTTP request on a fresh connection: (status, head, body)."""
     length = len(body) if length is None else length
-    async with await anyio.connect_tcp("127.0.0.1", port) as sock:
-        await sock.send(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
-                        f"Connection: close\r\n{headers}\r\n".encode() + body)
-        data = b""
-        try:
-            while True:
-                data += await sock.receive()
-        except (anyio.EndOfStream, anyio.BrokenResourceError):
-            pass
-    head, _, rest = data.decode().partition("\r\n\r\n")
-    return int(head.split()[1]), head, rest
+    return await http_exchange(port, f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                               f"{length}\r\nConnection: close\r\n{headers}\r\n".encode() + body)
 
 
 async def test_chat_and_completions_match_generate_whole_and_streamed(expected):
