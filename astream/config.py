@@ -11,6 +11,10 @@ import torch
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16}
+_FP8_KV = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, **_FP8_KV}
+_KV_ALIASES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+               "fp8": "fp8_e4m3", **{name: name for name in _KV_DTYPES}}
 
 
 @dataclass(slots=True)
@@ -45,6 +49,12 @@ class EngineConfig:
                                   "pair such as xattention+quest; parameters in parentheses, e.g. "
                                   "'xattention(threshold=0.95)'"})
     sparse_budget: int | None = None       # KV tokens a sparse decode reads (a policy given by name)
+    kv_cache_dtype: str = field(           # how K/V are stored (docs/ENGINE.md, "FP8 KV cache")
+        default="auto", metadata={"help": "auto (the model's dtype), bfloat16, float16, fp8_e4m3 "
+                                  "or fp8_e5m2 (fp8 = fp8_e4m3): 8-bit floats halve the KV bytes"})
+    kv_cache_scale: float | None = field(  # fp8 only: one fixed scale; None: calibrated at start
+        default=None, metadata={"help": "fp8 KV only: store value / SCALE for every layer and "
+                                "head instead of scales calibrated when the engine starts"})
 
     def __post_init__(self) -> None:
         if self.offload_prefetch_layers is not None:
@@ -76,6 +86,15 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
+        if self.kv_cache_scale is not None:
+            if self.kv_cache_dtype not in _FP8_KV:
+                raise ValueError("kv_cache_scale applies to an fp8 kv_cache_dtype only, got "
+                                 f"kv_cache_dtype {self.kv_cache_dtype!r}")
+            scale = self.kv_cache_scale
+            if not isinstance(scale, (int, float)) or isinstance(scale, bool) \
+                    or not 0 < scale < float("inf"):
+                raise ValueError(f"kv_cache_scale must be a finite number > 0, got {self.kv_cache_scale!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -105,10 +124,25 @@ class EngineConfig:
                                "use device='cpu'")
         return device
 
+    def kv_storage_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype()
+        return _KV_DTYPES[self.kv_cache_dtype]
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+def canonical_kv_dtype(name: object) -> str:
+    """The canonical spelling of a kv_cache_dtype option; ValueError naming the choices."""
+    canonical = _KV_ALIASES.get(name) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; use one of "
+                         f"{', '.join(['auto', *_KV_DTYPES])} (or fp8 for fp8_e4m3)")
+    return canonical
 
 
 def _positive(name: str, value: object) -> None:

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 
 from astream.config import EngineConfig
-from astream.executor.build import build_runner
+from astream.executor.build import build_runner, kv_format
 from astream.executor.runner import ModelRunner, PreparedStep, StepOutput, StepProgram
 from astream.kvcache.block_manager import BlockManager
 from astream.kvcache.sizing import CachePlan, CacheSpec, check_max_model_len, plan_cache
@@ -57,19 +57,22 @@ class EngineCore:
         check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
         policy = make_policy(config.sparse_policy, config.sparse_budget)
-        spec = _cache_spec(config, _device_kv_overhead(policy, model.decoder.config.num_layers,
-                                                       config.offload), policy.sparse_prefill)
-        plan = plan_cache(spec, model.decoder.config, dtype, device)   # sized after the weights
+        fmt = kv_format(config, model.decoder, model.tokenizer)
+        overhead = _device_kv_overhead(policy, model.decoder.config.num_layers, config.offload,
+                                       dtype.itemsize / fmt.element_size)
+        spec = _cache_spec(config, overhead, policy.sparse_prefill)
+        plan = plan_cache(spec, model.decoder.config, dtype, device, fmt.dtype)   # after the weights
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
                             align_chunks_to=plan.block_size if config.offload else 1),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         runtime = DeviceRuntime(device)
-        runner = build_runner(config, plan, model.decoder, runtime, policy)
+        runner = build_runner(config, plan, model.decoder, runtime, policy, fmt)
         eos = stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids)
-        log.info("astream: %s on %s (%s), %d KV blocks of %d tokens%s, max_model_len %d, attention %s",
-                 path.name, device, dtype, plan.num_blocks, plan.block_size,
-                 " in host memory" if config.offload else "", plan.max_model_len, select_backend(device))
+        log.info("astream: %s on %s (%s), %d KV blocks of %d tokens (%s)%s, max_model_len %d, "
+                 "attention %s", path.name, device, dtype, plan.num_blocks, plan.block_size,
+                 str(fmt.dtype).removeprefix("torch."), " in host memory" if config.offload else "",
+                 plan.max_model_len, select_backend(device))
         return cls(config, plan, model, runtime, scheduler, runner, frozenset(eos),
                    PromptBound.of(model.tokenizer))
 
@@ -262,6 +265,7 @@ class EngineCore:
                 "steps": self.scheduler.steps, "preemptions": self.scheduler.preemptions,
                 "max_model_len": self.plan.max_model_len,
                 "max_num_batched_tokens": self.scheduler.config.max_num_batched_tokens,
+                "kv_cache_dtype": str(self.runner.kv_format.dtype).removeprefix("torch."),
                 "offload": self.config.offload, "sparse_policy": self._policy_name(),
                 "graph_steps": self.runner.graphs.steps if self.runner.graphs is not None else 0,
                 **self.runner.policy.stats(), **self._offload_stats()}
@@ -281,11 +285,13 @@ class EngineCore:
                 "offload_bytes_offloaded": engine.bytes_offloaded}
 
 
-def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool) -> float:
+def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool,
+                        metadata_per_kv_byte: float = 1.0) -> float:
     """Device bytes per byte of KV in the cache beyond the cache itself: the policy's
-    metadata and, with offload, the layers whose KV it keeps on the device as well."""
+    metadata (kept in the model's dtype: `metadata_per_kv_byte` is its element size over
+    the cache's) and, with offload, the layers whose KV it keeps on the device as well."""
     mirrored = len(policy.offload_device_layers(num_layers)) / num_layers if offload else 0.0
-    return policy.kv_overhead(num_layers) + mirrored
+    return policy.kv_overhead(num_layers) * metadata_per_kv_byte + mirrored
 
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False) -> CacheSpec:

@@ -64,6 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU variants, checks the script")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="every GPU variant's KV dtype")
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=32)
     if args.reference:
@@ -79,7 +80,8 @@ def main() -> None:
                 **{f"gpu_bf16_{name}": {**QUEST, **extra} for name, extra in QUEST_VARIANTS.items()}}
     results, tokens = {}, {}
     for name, extra in variants.items():
-        with LLM(smollm2(), device=device, dtype=dtype, max_model_len=2048, **extra) as llm:
+        with LLM(smollm2(), device=device, dtype=dtype, max_model_len=2048,
+                 kv_cache_dtype=args.kv_cache_dtype, **extra) as llm:
             outs = llm.generate([r["prompt_ids"] for r in reference], params)
             graph_steps = llm.stats()["graph_steps"]
             results[name] = [{"identical": ref["tokens"] == out.token_ids, "text": out.text,
@@ -96,7 +98,8 @@ def main() -> None:
     results["quest_agreement"] = {
         f"{a} vs {b}": sum(x == y for x, y in zip(tokens[a], tokens[b])) for a, b in zip(quest, quest[1:])}
     print("Quest, same tokens (of 5):", results["quest_agreement"], flush=True)
-    save("gpu_correctness", results, smoke=args.smoke)
+    kv = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
+    save(f"gpu_correctness{kv}", results, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
 FULL = 1 << 40                                   # a budget no context reaches: the dense path
-PAGE_BYTES = 16 * 128 * 2 * 2                    # one KV head's page: 16 tokens x 128 x K,V x bf16
+PAGE_ELEMENTS = 16 * 128 * 2                     # one KV head's page: 16 tokens x 128 x K,V
 
 
 def decode_steps(core: EngineCore, steps: int) -> list[float]:
@@ -78,9 +78,11 @@ def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: 
 def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
     loaded = after.get("offload_bytes_loaded", 0) - before.get("offload_bytes_loaded", 0)
     pages = sum(after.get("quest_pages_read", [0])) - sum(before.get("quest_pages_read", [0]))
-    gathered = pages * PAGE_BYTES if after["offload"] else 0
+    element = 1 if after["kv_cache_dtype"].startswith("float8") else 2
+    gathered = pages * PAGE_ELEMENTS * element if after["offload"] else 0
     ordered = sorted(times)
     return {"context": ctx, "batch": batch, "budget": "full" if budget == FULL else budget,
+            "kv": after["kv_cache_dtype"],
             "step_ms_min": round(ordered[0] * 1e3, 2),
             "step_ms": round(percentile(times, 50) * 1e3, 2),
             "step_ms_max": round(ordered[-1] * 1e3, 2),
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
     parser.add_argument("--budgets", default="", help="only these budgets, e.g. full,4096")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    parser.add_argument("--kv-dtypes", default="auto",
+                        help="KV cache dtypes to run in turn, e.g. auto,fp8_e4m3")
+    parser.add_argument("--name", default=None, help="results file name")
     args = parser.parse_args()
     smoke = args.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
@@ -130,32 +135,37 @@ def main() -> None:
         resident_cases = [case for case in resident_cases if case in wanted]
         offload_cases = [case for case in offload_cases if case in wanted]
     steps = 3 if smoke else args.steps
-    name = "quest_speed_eager" if args.eager else "quest_speed"
-    results = {"shape": shape, "steps_timed": steps}
-    if "resident" not in args.skip:
-        results["resident"] = run_mode(EngineConfig(**base), resident_cases, budgets, steps)
-        save(name, results, smoke=smoke)
-    if "offload" not in args.skip:
-        block = 16 if smoke else 256
-        pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
-        cfg = EngineConfig(**{**base, "offload": True, "num_kv_blocks": pool,
-                              **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
-        results["offload"] = run_mode(cfg, offload_cases, budgets, steps)
-    save(name, results, smoke=smoke)
+    name = args.name or ("quest_speed_eager" if args.eager else "quest_speed")
+    results = {"shape": shape, "steps_timed": steps, "resident": [], "offload": []}
+    for kv in args.kv_dtypes.split(","):
+        kv_base = {**base, "kv_cache_dtype": kv}
+        if "resident" not in args.skip:
+            results["resident"] += run_mode(EngineConfig(**kv_base), resident_cases, budgets, steps)
+            save(name, results, smoke=smoke)
+        if "offload" not in args.skip:
+            block = 16 if smoke else 256
+            pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
+            cfg = EngineConfig(**{**kv_base, "offload": True, "num_kv_blocks": pool,
+                                  **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
+            results["offload"] += run_mode(cfg, offload_cases, budgets, steps)
+            save(name, results, smoke=smoke)
     summarize(results)
 
 
 def summarize(results: dict) -> None:
+    """Ratios are to the resident Full step of the run's first KV dtype."""
+    first = next((r["kv"] for r in results.get("resident", [])), None)
     resident = {(r["context"], r["batch"]): r["step_ms"] for r in results.get("resident", [])
-                if r["budget"] == "full"}
-    print(f"{'mode':<9}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
+                if r["budget"] == "full" and r["kv"] == first}
+    print(f"{'mode':<9}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
           f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}")
     for mode in ("resident", "offload"):
         for r in results.get(mode, []):
             ref = resident.get((r["context"], r["batch"]))
             ratio = f"{r['step_ms'] / ref:.2f}" if ref else "-"
             spread = f"{r['step_ms_min']}/{r['step_ms']}/{r['step_ms_max']}"
-            print(f"{mode:<9}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}{spread:>26}{ratio:>17}"
+            print(f"{mode:<9}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}"
+                  f"{spread:>26}{ratio:>17}"
                   f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}")
 
 

@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs of the workload on one engine")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers subset")
     parser.add_argument("--name", default="throughput", help="results file name")
+    parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
+    parser.add_argument("--kv-dtypes", default="auto",
+                        help="KV cache dtypes to run in turn (rows shape@dtype), e.g. auto,fp8_e4m3")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
     shapes = ["tiny"] if args.smoke else args.shapes.split(",")
@@ -80,25 +83,28 @@ def main() -> None:
         random_workload(num, 10, 40, 5, 20)
     subset = [(p, min(o, args.subset_max_out)) for p, o in work[:args.subset if not args.smoke else 4]]
     results = {}
-    for shape in shapes:
+    kv_dtypes = args.kv_dtypes.split(",")
+    for shape, kv in ((shape, kv) for shape in shapes for kv in kv_dtypes):
         folder = shaped_model(shape, max_positions=4096)
-        kw = dict(load_format="dummy", tokenizer=smollm2(), device=device,
+        kw = dict(load_format="dummy", tokenizer=args.tokenizer or smollm2(), device=device,
                   dtype="bfloat16" if not args.smoke else "float32",
-                  max_num_seqs=256, max_model_len=2112)
+                  max_num_seqs=256, max_model_len=2112, kv_cache_dtype=kv)
+        key = shape if len(kv_dtypes) == 1 else f"{shape}@{kv}"
         with LLM(str(folder), **kw) as llm:
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
             runs = [astream_run(llm, work) for _ in range(args.repeat)]
-            results[shape] = {"astream": runs[len(runs) // 2] if args.repeat == 1 else
-                              {**spread([r["output_tok_s"] for r in runs]), "runs": runs},
-                              "astream_subset": astream_run(llm, subset)}
+            results[key] = {"astream": runs[len(runs) // 2] if args.repeat == 1 else
+                            {**spread([r["output_tok_s"] for r in runs]), "runs": runs},
+                            "astream_subset": astream_run(llm, subset),
+                            "kv_blocks": llm.stats()["kv_blocks_total"]}
             if args.repeat > 1:
-                results[shape]["astream"]["output_tok_s"] = results[shape]["astream"]["median"]
+                results[key]["astream"]["output_tok_s"] = results[key]["astream"]["median"]
         gc.collect()
-        if shape in ("qwen3-0.6b", "tiny") and not args.skip_hf:
-            results[shape]["transformers_subset"] = hf_run(folder, subset, device)
+        if shape in ("qwen3-0.6b", "tiny") and not args.skip_hf and kv == kv_dtypes[0]:
+            results[key]["transformers_subset"] = hf_run(folder, subset, device)
         if device == "cuda":
             torch.cuda.empty_cache()
-        print(shape, results[shape])
+        print(key, results[key])
     save(args.name, {"workload": f"{num} requests, in/out uniform 100..1024, greedy, ignore_eos",
                         "subset": f"first {len(subset)} requests, outputs capped at "
                                   f"{args.subset_max_out}", **results}, smoke=args.smoke)

@@ -167,10 +167,16 @@ def test_config_specs_map_to_engine_options():
         ("quest:1024", {"sparse_policy": "quest", "sparse_budget": 1024, "offload": False}),
         ("quest:2048+offload", {"sparse_policy": "quest", "sparse_budget": 2048, "offload": True})]
     assert [c.budget for c in configs] == [None, None, 1024, 2048]
+    fp8 = parse_configs("fp8,quest:2048+fp8_e5m2+offload")
+    assert [(c.name, c.engine_kwargs) for c in fp8] == [
+        ("fp8", {"sparse_policy": "full", "offload": False, "kv_cache_dtype": "fp8_e4m3"}),
+        ("quest:2048+fp8_e5m2+offload", {"sparse_policy": "quest", "offload": True,
+                                         "sparse_budget": 2048, "kv_cache_dtype": "fp8_e5m2"})]
 
 
 @pytest.mark.parametrize("spec", ["", "full,", "quest:", "quest:0", "quest:x", "quest::1", "+offload",
-                                  "quest:1024+other", "offload+offload", "full,full", "quest 1024"])
+                                  "quest:1024+other", "offload+offload", "full,full", "quest 1024",
+                                  "fp8+fp8_e5m2"])
 def test_malformed_config_specs_are_refused(spec):
     with pytest.raises(ValueError, match="--compare"):
         parse_configs(spec)

@@ -171,6 +171,24 @@ def test_paged_decode_reference_batch_chunks(monkeypatch):
     torch.testing.assert_close(lse, exp_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_paged_decode_reference_over_fp8_equals_dequantize_then_attend(kv_dtype):
+    q, _, _, k_cache, v_cache, tables, lens = paged_case([0, 19, 64, 90], KV_HEADS * 2, 64)
+    gen = torch.Generator().manual_seed(5)
+    (kq, ks), (vq, vs) = fp8_cache(k_cache, kv_dtype, gen), fp8_cache(v_cache, kv_dtype, gen)
+    kw = dict(scale=0.125, max_context_len=90)
+    out, lse = paged_decode_attention(q, kq, vq, tables, lens, kv_scales=(ks, vs), **kw)
+    dequant_k = kq.float() * ks.view(1, 1, -1, 1)
+    dequant_v = vq.float() * vs.view(1, 1, -1, 1)
+    want_out, want_lse = paged_decode_attention(q, dequant_k, dequant_v, tables, lens, **kw)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    # and the fp8 error itself stays within the format's precision of the exact result
+    exact_out, _ = paged_decode_attention(q, k_cache, v_cache, tables, lens, **kw)
+    rel = (out - exact_out).norm() / exact_out.norm()
+    assert rel < (0.05 if kv_dtype == torch.float8_e4m3fn else 0.1), float(rel)
+
+
 def test_paged_decode_all_empty():
     q, _, _, k_cache, v_cache, tables, _ = paged_case([3, 4], KV_HEADS, 64)
     lens = torch.zeros(2, dtype=torch.int32)
@@ -235,6 +253,40 @@ TRITON_CASES = [  # (context lens, gqa ratio, head_dim, page, num_splits, use_do
 ]
 
 
+FP8_CASES = [  # (context lens, gqa ratio, head_dim, page, num_splits, query dtype, cache dtype)
+    ([0, 90, 17], 4, 64, 16, 2, torch.float16, torch.float8_e4m3fn),
+    ([33, 129], 2, 128, 16, 1, torch.float16, torch.float8_e5m2),
+    ([70, 5], 8, 64, 16, 3, torch.float32, torch.float8_e4m3fn),
+]
+
+
+def fp8_cache(cache: torch.Tensor, dtype: torch.dtype, gen: torch.Generator):
+    """A cache stored as `dtype` with per-KV-head scales that put each head's largest
+    magnitude at a random 1/2..1 of the format's range: (stored, scales)."""
+    top = torch.finfo(dtype).max
+    peak = cache.abs().amax(dim=(0, 1, 3))
+    scales = peak * (1 + torch.rand(cache.shape[2], generator=gen)) / top
+    return (cache / scales.view(1, 1, -1, 1)).clamp(-top, top).to(dtype), scales
+
+
+def check_triton_fp8(device: str, tol: float) -> int:
+    """fp8 caches with per-head scales: the kernel against the reference on the same tensors."""
+    from astream.ops.triton_decode import paged_decode_triton
+    for i, (lens, ratio, dim, page, splits, q_dtype, kv_dtype) in enumerate(FP8_CASES):
+        q, _, _, kc, vc, tables, ctx = paged_case(lens, 2 * ratio, dim, page=page, seed=30 + i)
+        gen = torch.Generator().manual_seed(i)
+        (kc, ks), (vc, vs) = fp8_cache(kc * 20, kv_dtype, gen), fp8_cache(vc, kv_dtype, gen)
+        q, kc, vc, tables, ctx, ks, vs = (t.to(device) for t in (q.to(q_dtype), kc, vc, tables,
+                                                                 ctx, ks, vs))
+        kw = dict(scale=dim ** -0.5, max_context_len=max(lens), kv_scales=(ks, vs))
+        out, lse = paged_decode_triton(q, kc, vc, tables, ctx, num_splits=splits, **kw)
+        ref_out, ref_lse = attention_ref.paged_decode_attention_ref(q.float(), kc, vc, tables, ctx, **kw)
+        assert out.dtype == q_dtype
+        torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    return len(FP8_CASES)
+
+
 def check_triton_cases(device: str, tol_f32: float, tol_f16: float) -> int:
     """Run every TRITON_CASES entry through the Triton kernel and the reference; returns the count."""
     from astream.ops.triton_decode import paged_decode_triton
@@ -250,7 +302,7 @@ def check_triton_cases(device: str, tol_f32: float, tol_f16: float) -> int:
         assert out.dtype == dtype and lse.dtype == f32
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse, ref_lse, atol=tol_f32, rtol=tol_f32)
-    return len(TRITON_CASES) + check_triton_merge(device, tol_f16)
+    return len(TRITON_CASES) + check_triton_merge(device, tol_f16) + check_triton_fp8(device, tol_f16)
 
 
 def merge_case(seed: int, dtype: torch.dtype, dim: int = 64):
@@ -279,13 +331,15 @@ def check_triton_merge(device: str, tol: float) -> int:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
 def test_triton_decode_interpreter_matches_reference():
-    assert run_interpreted_check("test_ops", "check_triton_cases", 1e-4, 2e-3) == len(TRITON_CASES) + 1
+    assert run_interpreted_check("test_ops", "check_triton_cases", 1e-4, 2e-3) == \
+        len(TRITON_CASES) + 1 + len(FP8_CASES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_decode_on_gpu_matches_reference():
     # Compiled kernels may use TF32 dots on float32 inputs: looser than the interpreter.
-    assert check_triton_cases("cuda", tol_f32=5e-3, tol_f16=5e-3) == len(TRITON_CASES) + 1
+    assert check_triton_cases("cuda", tol_f32=5e-3, tol_f16=5e-3) == \
+        len(TRITON_CASES) + 1 + len(FP8_CASES)
 
 
 def test_merge_into_rows_reference_merges_only_those_rows():

@@ -268,8 +268,11 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse, ref_lse, atol=tol32, rtol=tol32)
         n += 1
-    for seed, with_counts in ((0, True), (1, False)):
+    n += check_triton_quest_fp8(device, tol16)
+    for seed, with_counts, fp8 in ((0, True, False), (1, False, False), (2, True, True)):
         src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
+        if fp8:     # the host pool of an fp8 cache: bytes move as they are
+            src_k, src_v, dst_k, dst_v = (t.to(torch.float8_e4m3fn) for t in (src_k, src_v, dst_k, dst_v))
         counts = counts if with_counts else None
         page_src = page_src.clamp(min=0)
         want_k, want_v = dst_k.clone(), dst_v.clone()
@@ -279,12 +282,33 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         if device == "cuda":        # the engine's host pool is pinned: read in place, zero-copy
             src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
         triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts)
-        assert torch.equal(dst_k.cpu(), want_k) and torch.equal(dst_v.cpu(), want_v)
+        assert torch.equal(dst_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(dst_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
         n += 1
     return n
 
 
-N_TRITON_CASES = len(SELECTED_CASES) + 2
+def check_triton_quest_fp8(device: str, tol: float) -> int:
+    """Selected-pages decode over fp8 caches with per-head scales, kernel vs reference."""
+    from astream.ops import triton_quest
+    from test_ops import fp8_cache
+    cases = [(1, torch.float16, torch.float8_e4m3fn), (4, torch.float16, torch.float8_e5m2)]
+    for seed, (case, q_dtype, kv_dtype) in enumerate(cases):
+        ctx, group, dim, block, page, budget, splits, dot, _, hm = SELECTED_CASES[case]
+        q, kc, vc, *rest = selected_case(ctx, group, dim, block, page, budget, seed=40 + seed,
+                                         head_major=hm)
+        gen = torch.Generator().manual_seed(seed)
+        (kc, ks), (vc, vs) = fp8_cache(kc, kv_dtype, gen), fp8_cache(vc, kv_dtype, gen)
+        args = [t.to(device) for t in (q.to(q_dtype), kc, vc, *rest)]
+        kw = dict(page_size=page, scale=dim ** -0.5, kv_scales=(ks.to(device), vs.to(device)))
+        out, lse = triton_quest.paged_decode_selected_triton(*args, num_splits=splits, **kw)
+        ref_out, ref_lse = quest.paged_decode_selected_ref(args[0].float(), *args[1:], **kw)
+        torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    return len(cases)
+
+
+N_TRITON_CASES = len(SELECTED_CASES) + 2 + 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")

@@ -50,6 +50,8 @@ def config_from_options(engine_kwargs: dict) -> EvalConfig:
         name += f":{engine_kwargs['sparse_budget']}"
     if engine_kwargs.get("offload"):
         name += "+offload"
+    if engine_kwargs.get("kv_cache_dtype", "auto") != "auto":
+        name += f"+{engine_kwargs['kv_cache_dtype']}"
     return EvalConfig(name, {})
 
 

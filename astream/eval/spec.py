@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from astream.config import canonical_kv_dtype
 from astream.policies import make_policy
 from astream.policies.spec import split_top_level
 
@@ -60,11 +61,13 @@ def parse_names(text: str, known: tuple[str, ...], what: str) -> list[str]:
 def parse_configs(text: str) -> list[EvalConfig]:
     """A --compare spec: items separated by commas, each item parts joined by '+'.
 
-    A part is 'offload' (offload=True) or a sparse policy name, with optional parameters in
-    parentheses and an optional ':N' budget (sparse_policy=name, sparse_budget=N); two
-    policy parts combine a prefill and a decode policy ('xattention(threshold=0.95)+quest:2048'). Every item sets sparse_policy ('full' unless a part
-    names one) and offload (False unless a part says 'offload'), so 'full' is the plain
-    baseline. Policy names and budgets are checked here, before any engine is built.
+    A part is 'offload' (offload=True), a KV cache dtype ('fp8', 'fp8_e5m2', 'bfloat16':
+    kv_cache_dtype), or a sparse policy name, with optional parameters in parentheses and an
+    optional ':N' budget (sparse_policy=name, sparse_budget=N); two policy parts combine a
+    prefill and a decode policy ('xattention(threshold=0.95)+quest:2048'). Every item sets
+    sparse_policy ('full' unless a part names one) and offload (False unless a part says
+    'offload'), so 'full' is the plain baseline and 'fp8' the same with fp8 KV. Policy
+    names and budgets are checked here, before any engine is built.
     """
     configs = [_parse_item(item) for item in _items(text, "--compare", split_top_level)]
     names = [c.name for c in configs]
@@ -83,6 +86,12 @@ def _parse_item(item: str) -> EvalConfig:
                 raise ValueError(f"bad --compare item {item!r}: 'offload' is given twice")
             kwargs["offload"] = True
             continue
+        kv_dtype = _kv_dtype(part)
+        if kv_dtype is not None:
+            if "kv_cache_dtype" in kwargs:
+                raise ValueError(f"bad --compare item {item!r}: give one KV cache dtype")
+            kwargs["kv_cache_dtype"] = kv_dtype
+            continue
         match = _PART.fullmatch(part)
         if not match:
             raise ValueError(f"bad --compare item {item!r}: {part!r} is neither 'offload' nor a policy "
@@ -100,6 +109,15 @@ def _parse_item(item: str) -> EvalConfig:
     except ValueError as exc:
         raise ValueError(f"bad --compare item {item!r}: {exc}") from None
     return EvalConfig(item.replace(" ", ""), kwargs)
+
+
+def _kv_dtype(part: str) -> str | None:
+    """The kv_cache_dtype a --compare part names ('auto' is not a part), or None."""
+    try:
+        canonical = canonical_kv_dtype(part)
+    except ValueError:
+        return None
+    return None if canonical == "auto" else canonical
 
 
 def _items(text: str, what: str, split=str.split) -> list[str]:

@@ -11,6 +11,8 @@ from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.offload_graphs import OffloadDecodeGraphs, selects_everywhere
 from astream.executor.offload_plan import TailSlots
 from astream.executor.runner import ModelRunner
+from astream.kvcache.calibration import calibrate_format, calibration_ids, scaled_format
+from astream.kvcache.kv_format import KVFormat, is_fp8
 from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.kvcache.sizing import CachePlan
@@ -20,9 +22,24 @@ from astream.policies import KVLayout, SparsePolicy
 from astream.runtime.device import DeviceRuntime
 
 
+def kv_format(config: EngineConfig, decoder: Decoder, tokenizer) -> KVFormat:
+    """How the engine stores K/V: `kv_cache_dtype`, and for fp8 the scales, fixed now (a
+    forward pass over astream.kvcache.calibration's text, or `kv_cache_scale`)."""
+    dtype = config.kv_storage_dtype()
+    if not is_fp8(dtype):
+        return KVFormat(dtype, decoder.dtype)
+    cfg = decoder.config
+    if config.kv_cache_scale is not None:
+        return scaled_format(dtype, decoder.dtype, cfg.num_layers, cfg.num_kv_heads,
+                             decoder.device, config.kv_cache_scale)
+    return calibrate_format(decoder, calibration_ids(tokenizer, cfg.vocab_size), dtype)
+
+
 def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtime: DeviceRuntime,
-                 policy: SparsePolicy) -> ModelRunner:
+                 policy: SparsePolicy, fmt: KVFormat | None = None) -> ModelRunner:
+    """`fmt`: the KV format (`kv_format`); None stores KV in the model's dtype."""
     dtype, device, model = decoder.dtype, runtime.device, decoder.config
+    fmt = fmt or KVFormat.plain(dtype)
     backends = AttentionBackends.select(device, dtype, model.head_dim)
     # One scratch block past the last: padded rows of a CUDA-graph batch write there.
     layout = KVLayout(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
@@ -35,11 +52,11 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
         sizes = plan.offload
         offload = OffloadEngine.allocate(
             model, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
-            sizes.staging_blocks, config.max_num_seqs, dtype, runtime,
+            sizes.staging_blocks, config.max_num_seqs, fmt, runtime,
             device_layers=policy.offload_device_layers(model.num_layers))
         runner = ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
     else:
-        cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, dtype, device)
+        cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, fmt, device)
         runner = ModelRunner(**parts, cache=cache)
     runner.graphs = build_graphs(config, plan, runner)
     return runner

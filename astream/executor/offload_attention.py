@@ -56,7 +56,8 @@ class OffloadAttention:
         if layer in self.engine.device_layers:
             return self.on_device(layer, q, k, v)
         self.engine.write_layer(layer, k, v, self.plan.new_kv)
-        self.policy.on_kv_written(layer, k, self.slots)
+        if self.policy.watches_keys():
+            self.policy.on_kv_written(layer, self.engine.format.as_stored(layer, k), self.slots)
         out, lse = self._on_device(layer, q, k, v)
         if self.sparse[layer]:
             out, lse = self._selected_pages(layer, q, out, lse)
@@ -78,7 +79,8 @@ class OffloadAttention:
             tail_k, tail_v = self.engine.tails(layer)
             parts.append(self.backends.paged_decode(
                 q[split:], tail_k, tail_v, plan.decode_tail_tables, plan.decode_tail_lens,
-                scale=self.scale, max_context_len=tail_k.shape[1]))
+                scale=self.scale, max_context_len=tail_k.shape[1],
+                kv_scales=self.engine.scales(layer)))
         if len(parts) == 1:
             return parts[0][0], parts[0][1].contiguous()
         return torch.cat((parts[0][0], parts[1][0])), torch.cat((parts[0][1], parts[1][1]))
@@ -108,22 +110,25 @@ class OffloadAttention:
         own_block, page_list, every_token = self.gathered_view
         part = self.backends.paged_decode_selected(
             q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
-            every_token, page_size=chosen.page_size, scale=self.scale)
+            every_token, page_size=chosen.page_size, scale=self.scale,
+            kv_scales=self.engine.scales(layer))
         return self.backends.merge_into_rows(out, lse, context.rows, *part)
 
     def _over_slot(self, layer: int, slot: RingSlot, job: JobTemplate, q, out,
                    lse) -> tuple[torch.Tensor, torch.Tensor]:
         if job.prefill_index is not None:
             keys = job.prefill_blocks
+            k, v = self.engine.format.dequantize(layer, slot.k_tokens[:keys].flatten(0, 1),
+                                                 slot.v_tokens[:keys].flatten(0, 1))
             part = prefill_attention(
-                self.policy, self.backends, layer, q.index_select(0, job.prefill_index),
-                slot.k_tokens[:keys].flatten(0, 1), slot.v_tokens[:keys].flatten(0, 1),
+                self.policy, self.backends, layer, q.index_select(0, job.prefill_index), k, v,
                 job.prefill_meta, causal=False, scale=self.scale)
             out, lse = self.backends.merge_into_rows(out, lse, job.prefill_index, *part)
         if job.decode_index is not None:
             part = self.backends.paged_decode(
                 q.index_select(0, job.decode_index), slot.k_tokens, slot.v_tokens,
-                job.decode_table_tensor, job.decode_lens, scale=self.scale, max_context_len=job.decode_max)
+                job.decode_table_tensor, job.decode_lens, scale=self.scale,
+                max_context_len=job.decode_max, kv_scales=self.engine.scales(layer))
             out, lse = self.backends.merge_into_rows(out, lse, job.decode_index, *part)
         return out, lse
 

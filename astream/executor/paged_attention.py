@@ -32,7 +32,8 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.cache.store(layer, k, v, meta.slot_mapping)
-        self.policy.on_kv_written(layer, k, meta.slot_mapping)
+        if self.policy.watches_keys():
+            self.policy.on_kv_written(layer, self.cache.format.as_stored(layer, k), meta.slot_mapping)
         split = meta.num_prefill_tokens
         if split == q.shape[0]:
             return self._prefill(layer, q, k, v)
@@ -64,10 +65,11 @@ class PagedAttention:
                 layer, DecodeQuery(q, tables, full, meta.decode_max_context, append_newest=True))
             out, _ = self.backends.paged_decode_selected(
                 q, cache.k[layer], cache.v[layer], tables, chosen.indices, chosen.counts, lens,
-                page_size=chosen.page_size, scale=self.scale)
+                page_size=chosen.page_size, scale=self.scale, kv_scales=cache.scales(layer))
             return out
         out, _ = self.backends.paged_decode(q, cache.k[layer], cache.v[layer], tables, lens,
-                                            scale=self.scale, max_context_len=meta.decode_max_context)
+                                            scale=self.scale, max_context_len=meta.decode_max_context,
+                                            kv_scales=cache.scales(layer))
         return out
 
 

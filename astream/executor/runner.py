@@ -22,6 +22,7 @@ from astream.executor.offload_graphs import OffloadDecodeGraphs
 from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
+from astream.kvcache.kv_format import KVFormat
 from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
@@ -76,6 +77,10 @@ class ModelRunner:
     @property
     def scale(self) -> float:
         return self.decoder.config.head_dim ** -0.5
+
+    @property
+    def kv_format(self) -> KVFormat:
+        return self.cache.format if self.offload is None else self.offload.format
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep | None:
         """Snapshot the batch into device tensors. Sequences that ended since scheduling drop out."""

@@ -8,8 +8,8 @@ crosses PCIe while layer i computes, so a long prompt's prefill pays the prefix 
 only where they take longer than a layer's compute.
 
 Host blocks are head-major and the packed rows token-major, so each piece is staged on
-the device (CONTEXT_STAGE_BLOCKS blocks at a time) and transposed into place, both on
-the H2D stream.
+the device (CONTEXT_STAGE_BLOCKS blocks at a time) and transposed into place (and
+dequantized, from an fp8 pool), both on the H2D stream.
 
 Stream order (events only, never the host):
 - a buffer's loads wait for the compute that last read it (`free`), and for the layer's
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from astream.kvcache.kv_format import KVFormat
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 
@@ -51,6 +52,7 @@ class ContextLoads:
     offloaded: list[Event | None]        # per layer: its latest D2H (the engine's own list)
     runs: tuple[tuple[int, int, int], ...]   # (first host block, first packed row, blocks)
     layers: list[int]
+    format: KVFormat                     # the host pool's; packed rows are dequantized
     buffers: list[PackedKeys] = field(default_factory=list)
     issued: int = 0
     done: int = 0
@@ -63,7 +65,7 @@ class ContextLoads:
         count = 2 if self.runs and len(self.layers) > 1 else 1
         ready = self.runtime.record_event()     # the memory's previous users on the compute stream
         for _ in range(count):
-            k = torch.empty(shape, dtype=host.dtype, device=self.runtime.device)
+            k = torch.empty(shape, dtype=self.format.compute_dtype, device=self.runtime.device)
             self.buffers.append(PackedKeys(k, torch.empty_like(k), free=ready))
         self._prefetch()
 
@@ -109,6 +111,8 @@ class ContextLoads:
                 stage_k[:count].copy_(host_k[src:src + count], non_blocking=True)
                 stage_v[:count].copy_(host_v[src:src + count], non_blocking=True)
                 rows = slice(dst, dst + count * block)
-                packed.k[rows].view(count, block, *packed.k.shape[1:]).copy_(stage_k[:count].transpose(1, 2))
-                packed.v[rows].view(count, block, *packed.v.shape[1:]).copy_(stage_v[:count].transpose(1, 2))
+                k, v = self.format.dequantize(layer, stage_k[:count].transpose(1, 2),
+                                              stage_v[:count].transpose(1, 2))
+                packed.k[rows].view(count, block, *packed.k.shape[1:]).copy_(k)
+                packed.v[rows].view(count, block, *packed.v.shape[1:]).copy_(v)
             packed.loaded = rt.record_event(h2d)

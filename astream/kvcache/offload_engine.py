@@ -40,6 +40,7 @@ from typing import Iterator, NamedTuple
 import torch
 
 from astream.kvcache.context_loads import ContextLoads
+from astream.kvcache.kv_format import KVFormat, KVScales, as_bytes
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
 from astream.ops.quest import gather_pages
@@ -95,6 +96,7 @@ class OffloadEngine:
     staging: list[tuple[torch.Tensor, torch.Tensor]]
     tail_k: list[torch.Tensor]           # per layer [max_seqs + 1, kv_heads, block_size, head_dim]
     tail_v: list[torch.Tensor]
+    format: KVFormat                     # every buffer holds format.dtype (maybe fp8)
     host_pool: PinnedHostTensor | None = None   # owns host_k/host_v's memory
     on_device: PagedKVCache | None = None       # device copy of the layers that read everything
     device_layers: frozenset[int] = frozenset()
@@ -107,10 +109,10 @@ class OffloadEngine:
 
     @classmethod
     def allocate(cls, model: ModelConfig, host_blocks: int, block_size: int, num_slots: int,
-                 slot_blocks: int, staging_blocks: int, max_seqs: int, dtype: torch.dtype,
+                 slot_blocks: int, staging_blocks: int, max_seqs: int, fmt: KVFormat,
                  runtime: DeviceRuntime, device_layers: tuple[int, ...] = ()) -> "OffloadEngine":
         shape = (model.num_kv_heads, block_size, model.head_dim)
-        device, pin = runtime.device, runtime.is_cuda
+        device, pin, dtype = runtime.device, runtime.is_cuda, fmt.dtype
 
         def buffers(n: int, count: int) -> list[torch.Tensor]:
             return [torch.zeros((n, *shape), dtype=dtype, device=device) for _ in range(count)]
@@ -123,9 +125,9 @@ class OffloadEngine:
         slots = [RingSlot(*buffers(slot_blocks, 2)) for _ in range(num_slots)]
         staging = [tuple(buffers(staging_blocks, 2)) for _ in range(2)]
         on_device = PagedKVCache.allocate_layers(model, device_layers, host_blocks, block_size,
-                                                 dtype, device) if device_layers else None
+                                                 fmt, device) if device_layers else None
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
-                   buffers(max_seqs + 1, layers), pool, on_device, frozenset(device_layers),
+                   buffers(max_seqs + 1, layers), fmt, pool, on_device, frozenset(device_layers),
                    h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers)
 
     @property
@@ -148,9 +150,11 @@ class OffloadEngine:
     # ---- new KV: staging and tails, then to the host -----------------------------------------
 
     def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, new: NewKV) -> None:
-        """Store a layer's new K/V rows ([T, kv_heads, head_dim]) and start copying the blocks
-        they complete to the host, overlapping the rest of this layer and the next."""
+        """Store a layer's new K/V rows ([T, kv_heads, head_dim], quantized here) and start
+        copying the blocks they complete to the host, overlapping the rest of this layer and
+        the next."""
         rt = self.runtime
+        k, v = self.format.quantize(layer, k, v)
         rt.wait(self.offloaded[layer])          # its tails may still be leaving for the host
         staging = self.staging[layer % 2]
         if new.staging_rows is not None:
@@ -164,6 +168,10 @@ class OffloadEngine:
             done = self._to_host([layer], staging, new)
             if new.staging_to_host:
                 self.staging_free[layer % 2] = done
+
+    def scales(self, layer: int) -> KVScales | None:
+        """The layer's dequantization scales, for kernels reading its tails, slots or pages."""
+        return self.format.scales(layer)
 
     def tails(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's device tail blocks, [max_seqs + 1, block_size, kv_heads, head_dim] views."""
@@ -230,7 +238,7 @@ class OffloadEngine:
         """One step's whole prefixes (host block runs -> packed key rows) for `layers`, in
         compute order, loaded on the H2D stream a layer ahead (kvcache.context_loads)."""
         loads = ContextLoads(self.runtime, self.h2d, self.host_k, self.host_v, self.offloaded,
-                             runs, layers)
+                             runs, layers, self.format)
         loads.allocate(num_keys)
         self.bytes_loaded += len(layers) * sum(run.count for run in runs) * self.block_bytes
         return loads
@@ -303,5 +311,5 @@ def _store(dest: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Te
     dk, dv = dest
     block_size = dk.shape[2]
     blocks, offsets = flat_index // block_size, flat_index % block_size
-    dk.transpose(1, 2).index_put_((blocks, offsets), k)
-    dv.transpose(1, 2).index_put_((blocks, offsets), v)
+    as_bytes(dk).transpose(1, 2).index_put_((blocks, offsets), as_bytes(k))
+    as_bytes(dv).transpose(1, 2).index_put_((blocks, offsets), as_bytes(v))

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from astream.kvcache.kv_format import KVFormat, KVScales, as_bytes
 from astream.models.config import ModelConfig
 
 
@@ -14,34 +15,35 @@ class PagedKVCache:
     """k[layer] and v[layer] are [num_blocks + 1, block_size, kv_heads, head_dim].
 
     The extra last block is scratch: padded rows of a CUDA-graph batch write there,
-    so padding never touches a block the block manager hands out.
+    so padding never touches a block the block manager hands out. The tensors hold
+    `format.dtype` (maybe fp8): `store` quantizes, `gather` and the kernels given
+    `scales(layer)` read the values back.
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     block_size: int
     num_blocks: int
+    format: KVFormat
 
     @classmethod
     def allocate(cls, config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> "PagedKVCache":
-        shape = (config.num_layers, 2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        storage = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k=list(storage[:, 0].unbind(0)), v=list(storage[:, 1].unbind(0)),
-                   block_size=block_size, num_blocks=num_blocks)
+                 fmt: KVFormat, device: torch.device) -> "PagedKVCache":
+        return cls.allocate_layers(config, tuple(range(config.num_layers)), num_blocks,
+                                   block_size, fmt, device)
 
     @classmethod
     def allocate_layers(cls, config: ModelConfig, layers: tuple[int, ...], num_blocks: int,
-                        block_size: int, dtype: torch.dtype, device: torch.device) -> "PagedKVCache":
+                        block_size: int, fmt: KVFormat, device: torch.device) -> "PagedKVCache":
         """A cache that holds only `layers` (any other layer's entries are empty tensors): the
         device copy an offloaded engine keeps of the layers that read everything."""
         shape = (len(layers), 2, num_blocks + 1, block_size, config.num_kv_heads, config.head_dim)
-        storage = torch.zeros(shape, dtype=dtype, device=device)
-        empty = torch.empty(0, dtype=dtype, device=device)
+        storage = torch.zeros(shape, dtype=fmt.dtype, device=device)
+        empty = torch.empty(0, dtype=fmt.dtype, device=device)
         k, v = [empty] * config.num_layers, [empty] * config.num_layers
         for i, layer in enumerate(layers):
             k[layer], v[layer] = storage[i, 0], storage[i, 1]
-        return cls(k=k, v=v, block_size=block_size, num_blocks=num_blocks)
+        return cls(k=k, v=v, block_size=block_size, num_blocks=num_blocks, format=fmt)
 
     @property
     def scratch_slot(self) -> int:
@@ -49,10 +51,15 @@ class PagedKVCache:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k/v [T, kv_heads, head_dim] at flat slot indices [T] (block * block_size + offset)."""
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        k, v = self.format.quantize(layer, k, v)
+        for cache, rows in ((self.k[layer], k), (self.v[layer], v)):
+            as_bytes(cache).view(-1, *rows.shape[1:]).index_copy_(0, slots, as_bytes(rows))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V at flat slots [N] as [N, kv_heads, head_dim] in the compute dtype."""
         k, v = self.k[layer], self.v[layer]
-        return (k.view(-1, *k.shape[2:]).index_select(0, slots),
-                v.view(-1, *v.shape[2:]).index_select(0, slots))
+        return self.format.dequantize(layer, k.view(-1, *k.shape[2:]).index_select(0, slots),
+                                      v.view(-1, *v.shape[2:]).index_select(0, slots))
+
+    def scales(self, layer: int) -> KVScales | None:
+        return self.format.scales(layer)

@@ -54,13 +54,15 @@ class CachePlan:
     offload: OffloadPlan | None = None
 
 
-def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
-               device: torch.device) -> CachePlan:
+def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
+               kv_dtype: torch.dtype | None = None) -> CachePlan:
+    """`dtype` is the model's, `kv_dtype` the cache's (default: the model's)."""
     check_max_model_len(cfg.max_model_len, model)
     block = cfg.block_size
     max_len = cfg.max_model_len or model.max_position_embeddings
     budget = max(cfg.max_num_batched_tokens or _default_budget(cfg, device), cfg.max_num_seqs)
-    block_bytes = model.kv_bytes_per_token * block * _element_size(dtype)
+    kv_dtype = kv_dtype or dtype
+    block_bytes = model.kv_bytes_per_token * block * _element_size(kv_dtype)
     if cfg.offload:
         budget = max(budget, cfg.max_num_seqs + block)     # room for a whole block after decodes
         blocks = cfg.num_kv_blocks or _host_blocks(cfg, max_len, block, block_bytes)
@@ -71,7 +73,7 @@ def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
     offload = None
     if cfg.offload:     # the policy's metadata of the host pool's blocks lives on the device
         metadata = int(blocks * block_bytes * cfg.kv_overhead)
-        offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata)
+        offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata, kv_dtype)
     return CachePlan(blocks, block, max_len, budget, offload)
 
 
@@ -123,10 +125,12 @@ def _host_blocks(cfg: CacheSpec, max_len: int, block: int, block_bytes: int) -> 
 
 
 def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  budget: int, max_len: int, metadata_bytes: int = 0) -> OffloadPlan:
+                  budget: int, max_len: int, metadata_bytes: int, kv_dtype: torch.dtype) -> OffloadPlan:
     block = cfg.block_size
     slots = cfg.offload_ring_slots
-    layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(dtype)
+    layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(kv_dtype)
+    # Whole prefixes are packed dequantized, in the model's dtype.
+    packed_block_bytes = layer_block_bytes * _element_size(dtype) // _element_size(kv_dtype)
     staging_blocks = -(-budget // block) + 1
     # A slot holds one full-length sequence's layer KV, or a batch of shorter ones: loads
     # stay large enough for PCIe efficiency while the ring stays a small share of memory.
@@ -137,7 +141,8 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
         fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes \
             + metadata_bytes
         if cfg.whole_prefix:     # two max_model_len contexts packed, and one staged prefix piece
-            fixed += (2 * -(-max_len // block) + CONTEXT_STAGE_BLOCKS) * layer_block_bytes
+            fixed += 2 * -(-max_len // block) * packed_block_bytes \
+                + CONTEXT_STAGE_BLOCKS * layer_block_bytes
         spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
         slot_blocks = min(wanted, max(spare, 0) // (slots * layer_block_bytes))
     else:

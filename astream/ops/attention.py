@@ -84,25 +84,23 @@ def paged_decode_attention(
     *,
     scale: float,
     max_context_len: int,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One query token per sequence over a paged cache -> out [B, H, D], lse [B, H].
 
     q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
     int32; context_lens [B] int32 (0 = no keys). On CUDA, max_context_len only sizes
     the split count (keep it fixed per captured graph); the reference path needs
-    it >= every context length.
+    it >= every context length. kv_scales (k, v: [KVH] float32): the caches hold
+    stored values (fp8) of key / k[head] and value / v[head].
     """
+    args = (q, k_cache, v_cache, block_tables, context_lens)
+    kwargs = dict(scale=scale, max_context_len=max_context_len, kv_scales=kv_scales)
     if select_decode_backend(q.device) == "triton":
         from astream.ops import triton_decode
 
-        return triton_decode.paged_decode_triton(
-            q, k_cache, v_cache, block_tables, context_lens,
-            scale=scale, max_context_len=max_context_len,
-        )
-    return attention_ref.paged_decode_attention_ref(
-        q, k_cache, v_cache, block_tables, context_lens,
-        scale=scale, max_context_len=max_context_len,
-    )
+        return triton_decode.paged_decode_triton(*args, **kwargs)
+    return attention_ref.paged_decode_attention_ref(*args, **kwargs)
 
 
 def merge_attention(

@@ -131,19 +131,27 @@ def _gather_context(cache: Tensor, tables: Tensor) -> Tensor:
     return _heads_first(gathered.reshape(n_batch, n_blocks * cache.shape[1], *cache.shape[2:]))
 
 
+def scale_heads(x: Tensor, head_scale: Tensor | None) -> Tensor:
+    """x [B, KVH, N, D] float32 times a per-KV-head scale [KVH] (in place), if there is one."""
+    return x if head_scale is None else x.mul_(head_scale.view(1, -1, 1, 1))
+
+
 def _decode_chunk(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, lens: Tensor, scale: float,
+    kv_scales: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor, Tensor]:
     """Decode for a slice of the batch; tables already clamped to valid block ids."""
     n_batch, n_heads, dim = q.shape
     n_kv = k_cache.shape[2]
-    keys = _gather_context(k_cache, tables)  # [B, KVH, L, D]
-    values = _gather_context(v_cache, tables)
+    k_scale, v_scale = kv_scales or (None, None)
+    keys = scale_heads(_gather_context(k_cache, tables), k_scale)  # [B, KVH, L, D]
+    values = scale_heads(_gather_context(v_cache, tables), v_scale)
     qg = q.float().view(n_batch, n_kv, n_heads // n_kv, dim)
     scores = torch.matmul(qg, keys.transpose(2, 3)).mul_(scale)  # [B, KVH, G, L]
     positions = torch.arange(keys.shape[2], device=q.device)
     hidden = positions.view(1, -1) >= lens.view(-1, 1).long()
     scores.masked_fill_(hidden.view(n_batch, 1, 1, -1), float("-inf"))
+    values.masked_fill_(hidden.view(n_batch, 1, -1, 1), 0.0)     # past the context: any bytes
     probs, lse = _softmax_rows(scores)
     out = torch.matmul(probs, values)  # [B, KVH, G, D]
     return out.reshape(n_batch, n_heads, dim), lse.reshape(n_batch, n_heads)
@@ -158,11 +166,14 @@ def paged_decode_attention_ref(
     *,
     scale: float,
     max_context_len: int,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One query token per sequence over a paged KV cache.
 
     Gathers ceil(max_context_len / block_size) blocks per sequence, so
-    max_context_len must be >= every context_lens entry on this path.
+    max_context_len must be >= every context_lens entry on this path. With
+    kv_scales (k, v: [KVH] float32) the caches hold scaled values (fp8): key = stored *
+    k[head], value = stored * v[head].
     """
     n_batch, n_heads, dim = q.shape
     num_blocks, block_size = k_cache.shape[:2]
@@ -178,7 +189,7 @@ def paged_decode_attention_ref(
     for b0 in range(0, n_batch, step):
         b1 = min(b0 + step, n_batch)
         o, s = _decode_chunk(
-            q[b0:b1], k_cache, v_cache, tables[b0:b1], context_lens[b0:b1], scale
+            q[b0:b1], k_cache, v_cache, tables[b0:b1], context_lens[b0:b1], scale, kv_scales
         )
         out[b0:b1] = o.to(q.dtype)
         lse[b0:b1] = s

@@ -21,6 +21,7 @@ from astream.ops.attention import (
 from astream.ops.varlen import VarlenMeta
 
 VarlenFn = Callable[..., tuple[Tensor, Tensor]]
+KVScalesArg = tuple[Tensor, Tensor] | None      # (k, v) [KVH] float32 of a scaled (fp8) cache
 
 _VARLEN: dict[str, VarlenFn] = {
     "flash_attn": flash.flash_attn_varlen,
@@ -47,26 +48,29 @@ class AttentionBackends:
         return _VARLEN[self.varlen_name](q, k, v, meta, causal=causal, scale=scale)
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                     context_lens: Tensor, *, scale: float, max_context_len: int) -> tuple[Tensor, Tensor]:
+                     context_lens: Tensor, *, scale: float, max_context_len: int,
+                     kv_scales: KVScalesArg = None) -> tuple[Tensor, Tensor]:
         """One query token per sequence over a paged cache (see ops.attention.paged_decode_attention)."""
+        args = (q, k_cache, v_cache, block_tables, context_lens)
+        kwargs = dict(scale=scale, max_context_len=max_context_len, kv_scales=kv_scales)
         if self.decode_name == "triton":
             from astream.ops import triton_decode
 
-            return triton_decode.paged_decode_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                                     scale=scale, max_context_len=max_context_len)
-        return attention_ref.paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens,
-                                                        scale=scale, max_context_len=max_context_len)
+            return triton_decode.paged_decode_triton(*args, **kwargs)
+        return attention_ref.paged_decode_attention_ref(*args, **kwargs)
 
     def paged_decode_selected(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                               page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
-                              page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+                              page_size: int, scale: float,
+                              kv_scales: KVScalesArg = None) -> tuple[Tensor, Tensor]:
         """Decode over selected pages per KV head (see ops.quest.paged_decode_selected_ref)."""
         args = (q, k_cache, v_cache, block_tables, page_indices, page_counts, context_lens)
+        kwargs = dict(page_size=page_size, scale=scale, kv_scales=kv_scales)
         if self.decode_name == "triton":
             from astream.ops import triton_quest
 
-            return triton_quest.paged_decode_selected_triton(*args, page_size=page_size, scale=scale)
-        return quest.paged_decode_selected_ref(*args, page_size=page_size, scale=scale)
+            return triton_quest.paged_decode_selected_triton(*args, **kwargs)
+        return quest.paged_decode_selected_ref(*args, **kwargs)
 
     def merge_into_rows(self, out: Tensor, lse: Tensor, rows: Tensor, part_out: Tensor,
                         part_lse: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from astream.ops.attention import select_decode_backend
-from astream.ops.attention_ref import MAX_SCORE_ELEMENTS, _softmax_rows
+from astream.ops.attention_ref import MAX_SCORE_ELEMENTS, _softmax_rows, scale_heads
 
 DEFAULT_PAGE_SIZE = 16
 GQA_REDUCTIONS = ("max", "sum")
@@ -115,13 +115,18 @@ def _selected_slots(block_tables: Tensor, page_indices: Tensor, page_counts: Ten
 
 
 def _selected_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor, offs: Tensor,
-                    visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+                    visible: Tensor, scale: float,
+                    kv_scales: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
     """Attention of q [b, H, D] over the gathered tokens -> out [b, H, D] f32, lse [b, H]."""
     batch, n_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     heads = torch.arange(kv_heads, device=q.device).view(1, -1, 1)
-    keys = k_cache[blocks, offs, heads].float()  # [b, KVH, N, D]
-    values = v_cache[blocks, offs, heads].float()
+    k_scale, v_scale = kv_scales or (None, None)
+    keys = scale_heads(k_cache[blocks, offs, heads].float(), k_scale)  # [b, KVH, N, D]
+    values = scale_heads(v_cache[blocks, offs, heads].float(), v_scale)
+    # A skipped entry's bytes may be anything, NaN included (an fp8 buffer's garbage often
+    # is); its probability is 0, but 0 * NaN is not.
+    values.masked_fill_(~visible.unsqueeze(-1), 0.0)
     qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
     scores = torch.matmul(qg, keys.transpose(2, 3)).mul_(scale)  # [b, KVH, G, N]
     scores.masked_fill_(~visible.unsqueeze(2), float("-inf"))
@@ -132,14 +137,17 @@ def _selected_chunk(q: Tensor, k_cache: Tensor, v_cache: Tensor, blocks: Tensor,
 
 def paged_decode_selected_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                               page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
-                              page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+                              page_size: int, scale: float,
+                              kv_scales: tuple[Tensor, Tensor] | None = None
+                              ) -> tuple[Tensor, Tensor]:
     """Decode attention over selected pages only -> out [B, H, D] (q.dtype), lse [B, H] f32.
 
     q [B, H, D]; caches [num_blocks, block_size, KVH, D] (any strides); block_tables
     [B, max_blocks] int32; page_indices [B, KVH, Pmax] int32 logical pages, the first
     page_counts [B, KVH] of them distinct and real; context_lens [B] int32. Query head h
     reads the pages of KV head h // (H // KVH), tokens < context_len only (the newest page
-    may be partial). Nothing visible -> out 0, lse -inf.
+    may be partial). Nothing visible -> out 0, lse -inf. kv_scales: as in
+    paged_decode_attention_ref.
     """
     batch, n_heads, head_dim = q.shape
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
@@ -154,7 +162,8 @@ def paged_decode_selected_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block
     step = max(1, MAX_SCORE_ELEMENTS // (n_tokens * max(n_heads, 2 * kv_heads * head_dim)))
     for b0 in range(0, batch, step):
         rows = slice(b0, min(b0 + step, batch))
-        o, s = _selected_chunk(q[rows], k_cache, v_cache, *(x[rows] for x in slots), scale)
+        o, s = _selected_chunk(q[rows], k_cache, v_cache, *(x[rows] for x in slots), scale,
+                               kv_scales)
         out[rows] = o.to(q.dtype)
         lse[rows] = s
     return out, lse
@@ -193,13 +202,15 @@ def select_quest_backend(device: torch.device | str) -> str:
 
 def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                           page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
-                          page_size: int, scale: float) -> tuple[Tensor, Tensor]:
+                          page_size: int, scale: float,
+                          kv_scales: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """`paged_decode_selected_ref`'s contract; split-KV Triton on CUDA."""
     args = (q, k_cache, v_cache, block_tables, page_indices, page_counts, context_lens)
+    kwargs = dict(page_size=page_size, scale=scale, kv_scales=kv_scales)
     if select_quest_backend(q.device) == "triton":
         from astream.ops import triton_quest
-        return triton_quest.paged_decode_selected_triton(*args, page_size=page_size, scale=scale)
-    return paged_decode_selected_ref(*args, page_size=page_size, scale=scale)
+        return triton_quest.paged_decode_selected_triton(*args, **kwargs)
+    return paged_decode_selected_ref(*args, **kwargs)
 
 
 def gather_pages(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor, dst_v: Tensor,

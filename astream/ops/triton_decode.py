@@ -106,6 +106,38 @@ def _load_kv(k_ptr, v_ptr, blk, slot, kvh, dims, tok_mask, stride_kb, stride_kt,
 
 
 @triton.jit
+def _to_compute(k, v, q, KV_CAST: tl.constexpr):
+    """8-bit K/V tiles in the query's dtype (exact: every fp8 value is a bf16/fp16 value)."""
+    if KV_CAST:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    return k, v
+
+
+@triton.jit
+def _head_scales(k_scale_ptr, v_scale_ptr, kvh, HAS_SCALES: tl.constexpr):
+    """This KV head's dequantization scales (1 for an unscaled cache)."""
+    if HAS_SCALES:
+        ks = tl.load(k_scale_ptr + kvh)
+        vs = tl.load(v_scale_ptr + kvh)
+    else:
+        ks = tl.full([], 1.0, tl.float32)
+        vs = tl.full([], 1.0, tl.float32)
+    return ks, vs
+
+
+@triton.jit
+def _query_tile(q_ptr, b, heads, dims, row_mask, stride_qb, stride_qh, cache_ty,
+                KV_CAST: tl.constexpr):
+    """A query-head group [GROUP_PAD, D_PAD], in the cache's dtype unless K/V are cast to it."""
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask, other=0.0)
+    if not KV_CAST:
+        q = q.to(cache_ty)
+    return q
+
+
+@triton.jit
 def _store_split(out_ptr, lse_ptr, out, lse, b, split, heads, rows, dims, row_mask,
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls,
                  GROUP: tl.constexpr):
@@ -128,12 +160,13 @@ def _finish(m_i, l_i, acc):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, scale_log2,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -143,8 +176,12 @@ def _decode_split_kernel(
     dims = tl.arange(0, D_PAD)
     heads = kvh * GROUP + rows
     row_mask = _dim_mask(rows < GROUP, dims, HEAD_DIM, D_PAD)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask, other=0.0).to(k_ptr.dtype.element_ty)
+    q = _query_tile(q_ptr, b, heads, dims, row_mask, stride_qb, stride_qh,
+                    k_ptr.dtype.element_ty, KV_CAST)
+    # Scaled K: scores = (q . k_stored) * k_scale, so the scale joins the softmax scale;
+    # scaled V: the output is v_scale times the average of the stored values.
+    k_scale, v_scale = _head_scales(k_scale_ptr, v_scale_ptr, kvh, HAS_SCALES)
+    scale_log2 = scale_log2 * k_scale
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -156,10 +193,11 @@ def _decode_split_kernel(
         blk, slot = _token_slots(tables_row, toks, tok_ok, PAGE)
         k, v = _load_kv(k_ptr, v_ptr, blk, slot, kvh, dims, tok_mask, stride_kb, stride_kt,
                         stride_kh, stride_vb, stride_vt, stride_vh)
+        k, v = _to_compute(k, v, q, KV_CAST)
         m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, scale_log2,
                                      USE_DOT, PRECISION)
     out, lse = _finish(m_i, l_i, acc)
-    _store_split(out_ptr, lse_ptr, out, lse, b, split, heads, rows, dims, row_mask,
+    _store_split(out_ptr, lse_ptr, out * v_scale, lse, b, split, heads, rows, dims, row_mask,
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, GROUP)
 
 
@@ -223,6 +261,21 @@ def _block_n(d_pad: int, elem_size: int, device: torch.device) -> int:
     return block_n
 
 
+def scale_args(q: Tensor, k_cache: Tensor, kv_scales) -> dict:
+    """Kernel arguments for a cache's dtype and scales: fp8 tiles are cast to the query's
+    dtype; other caches read the query in their own dtype, as before."""
+    kv_cast = k_cache.element_size() == 1
+    if kv_scales is None:
+        return dict(k_scale=k_cache, v_scale=k_cache, HAS_SCALES=False, KV_CAST=kv_cast)
+    return dict(k_scale=kv_scales[0], v_scale=kv_scales[1], HAS_SCALES=True, KV_CAST=kv_cast)
+
+
+def dot_precision(q: Tensor, k_cache: Tensor) -> str:
+    """fp32 operands: exact products (the default tf32 would cost ~1e-3 relative error)."""
+    operand = q.dtype if k_cache.element_size() == 1 else k_cache.dtype
+    return "ieee" if operand == torch.float32 else "tf32"
+
+
 def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
     if q.shape[1] % k_cache.shape[2] != 0:
         raise ValueError(f"{q.shape[1]} query heads not a multiple of {k_cache.shape[2]} kv heads")
@@ -234,7 +287,7 @@ def _check_inputs(q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
 
 def _launch_split(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                   context_lens: Tensor, out: Tensor, lse: Tensor, scale: float,
-                  num_splits: int, use_dot: bool | None) -> None:
+                  num_splits: int, use_dot: bool | None, kv_scales=None) -> None:
     """out [B, H, S, D] / lse [B, H, S]; with S == 1 these may be views of the final tensors."""
     batch, n_heads, head_dim = q.shape
     kv_heads, page = k_cache.shape[2], k_cache.shape[1]
@@ -247,16 +300,17 @@ def _launch_split(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Ten
     group_pad = triton.next_power_of_2(group)
     if use_dot:
         group_pad = max(group_pad, MIN_DOT_DIM)
-    # fp32 caches: exact products (the default tf32 would cost ~1e-3 relative error).
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    scaling = scale_args(q, k_cache, kv_scales)
+    precision = dot_precision(q, k_cache)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, out, lse, scaling.pop("k_scale"),
+        scaling.pop("v_scale"), scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2), num_splits,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=d_pad, PAGE=page,
         BLOCK_N=_block_n(d_pad, k_cache.element_size(), q.device), USE_DOT=use_dot,
-        PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **scaling,
     )
 
 
@@ -283,6 +337,7 @@ def paged_decode_triton(
     max_context_len: int,
     num_splits: int | None = None,
     use_dot: bool | None = None,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Paged decode; same contract as `astream.ops.attention.paged_decode_attention`.
 
@@ -301,11 +356,11 @@ def paged_decode_triton(
     if splits == 1:
         # Single split: the kernel writes the final tensors directly.
         _launch_split(q, k_cache, v_cache, block_tables, context_lens,
-                      out.unsqueeze(2), lse.unsqueeze(2), scale, 1, use_dot)
+                      out.unsqueeze(2), lse.unsqueeze(2), scale, 1, use_dot, kv_scales)
         return out, lse
     part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
     _launch_split(q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
-                  scale, splits, use_dot)
+                  scale, splits, use_dot, kv_scales)
     _launch_merge(part_out, part_lse, out, lse)
     return out, lse

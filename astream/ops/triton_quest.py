@@ -19,20 +19,21 @@ from torch import Tensor
 
 from astream.ops.triton_decode import (
     LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _block_n, _check_inputs, _dim_mask,
-    _finish, _launch_merge, _load_kv, _split_range, _store_split, _token_slots,
-    choose_num_splits,
+    _finish, _head_scales, _launch_merge, _load_kv, _query_tile, _split_range, _store_split,
+    _to_compute, _token_slots, choose_num_splits, dot_precision, scale_args,
 )
 
 
 @triton.jit
 def _selected_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, pages_ptr, counts_ptr, out_ptr, lse_ptr,
-    scale_log2, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+    k_scale_ptr, v_scale_ptr, scale_log2, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
     stride_vh, stride_tb, stride_pb, stride_ph, stride_cb, stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh, stride_ls, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALES: tl.constexpr,
+    KV_CAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -44,8 +45,10 @@ def _selected_split_kernel(
     dims = tl.arange(0, D_PAD)
     heads = kvh * GROUP + rows
     row_mask = _dim_mask(rows < GROUP, dims, HEAD_DIM, D_PAD)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_mask, other=0.0).to(k_ptr.dtype.element_ty)
+    q = _query_tile(q_ptr, b, heads, dims, row_mask, stride_qb, stride_qh,
+                    k_ptr.dtype.element_ty, KV_CAST)
+    k_scale, v_scale = _head_scales(k_scale_ptr, v_scale_ptr, kvh, HAS_SCALES)
+    scale_log2 = scale_log2 * k_scale
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -61,10 +64,11 @@ def _selected_split_kernel(
         tok_mask = _dim_mask(tok_ok, dims, HEAD_DIM, D_PAD)
         k, v = _load_kv(k_ptr, v_ptr, blk, slot, kvh, dims, tok_mask, stride_kb, stride_kt,
                         stride_kh, stride_vb, stride_vt, stride_vh)
+        k, v = _to_compute(k, v, q, KV_CAST)
         m_i, l_i, acc = _attend_tile(q, k, v, tok_ok, m_i, l_i, acc, scale_log2,
                                      USE_DOT, PRECISION)
     out, lse = _finish(m_i, l_i, acc)
-    _store_split(out_ptr, lse_ptr, out, lse, b, split, heads, rows, dims, row_mask,
+    _store_split(out_ptr, lse_ptr, out * v_scale, lse, b, split, heads, rows, dims, row_mask,
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, GROUP)
 
 
@@ -111,30 +115,33 @@ def group_tile(group: int, d_pad: int, use_dot: bool | None) -> tuple[bool, int]
 
 def _launch_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
                      lens: Tensor, pages: Tensor, counts: Tensor, out: Tensor, lse: Tensor,
-                     page_size: int, scale: float, use_dot: bool | None) -> None:
+                     page_size: int, scale: float, use_dot: bool | None, kv_scales=None) -> None:
     """out [B, H, S, D] / lse [B, H, S]: one partial result per split S."""
     batch, n_heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     d_pad = triton.next_power_of_2(head_dim)
     use_dot, group_pad = group_tile(n_heads // kv_heads, d_pad, use_dot)
     block_n = max(_block_n(d_pad, k_cache.element_size(), q.device), page_size)
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    scaling = scale_args(q, k_cache, kv_scales)
     _selected_split_kernel[(batch, kv_heads, out.shape[2])](
-        q, k_cache, v_cache, tables, lens, pages, counts, out, lse, scale * LOG2E,
+        q, k_cache, v_cache, tables, lens, pages, counts, out, lse, scaling.pop("k_scale"),
+        scaling.pop("v_scale"), scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         tables.stride(0), pages.stride(0), pages.stride(1), counts.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         lse.stride(2), out.shape[2], GROUP=n_heads // kv_heads, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK=block_size, PAGE=page_size, BLOCK_N=block_n,
-        USE_DOT=use_dot, PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        USE_DOT=use_dot, PRECISION=dot_precision(q, k_cache), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES, **scaling,
     )
 
 
 def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                  block_tables: Tensor, page_indices: Tensor, page_counts: Tensor,
                                  context_lens: Tensor, *, page_size: int, scale: float,
-                                 num_splits: int | None = None,
-                                 use_dot: bool | None = None) -> tuple[Tensor, Tensor]:
+                                 num_splits: int | None = None, use_dot: bool | None = None,
+                                 kv_scales: tuple[Tensor, Tensor] | None = None
+                                 ) -> tuple[Tensor, Tensor]:
     """See astream.ops.quest.paged_decode_selected_ref. page_size must be a power of two
     dividing block_size; num_splits / use_dot override the heuristics (tests, benchmarks)."""
     _check_inputs(q, k_cache, v_cache)
@@ -153,11 +160,12 @@ def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     splits = num_splits or choose_num_splits(batch, k_cache.shape[2],
                                              page_indices.shape[2] * page_size, q.device)
     if splits == 1:
-        _launch_selected(*args, out.unsqueeze(2), lse.unsqueeze(2), page_size, scale, use_dot)
+        _launch_selected(*args, out.unsqueeze(2), lse.unsqueeze(2), page_size, scale, use_dot,
+                         kv_scales)
         return out, lse
     part_out = torch.empty(batch, n_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, n_heads, splits, dtype=torch.float32, device=q.device)
-    _launch_selected(*args, part_out, part_lse, page_size, scale, use_dot)
+    _launch_selected(*args, part_out, part_lse, page_size, scale, use_dot, kv_scales)
     _launch_merge(part_out, part_lse, out, lse)
     return out, lse
 

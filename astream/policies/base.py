@@ -7,7 +7,8 @@ model's attention shape and the KV cache it will read (`KVLayout`): `bind` retur
 executor's attention adapters call, on the resident path and with offload alike:
 
 - `on_kv_written(layer, keys, slots)`: once per layer, the keys just stored (every new
-  token of the step, batched) and their flat cache slots (host pool slots with offload);
+  token of the step, batched, as a read of the cache returns them) and their flat cache
+  slots (host pool slots with offload), if `watches_keys()`;
 - `selects_decode(layer, max_context)` (host ints only) and `select_decode(layer, query)`:
   which pages each sequence's decode query reads, per KV head, as device tensors;
 - `prefill_attention(layer, q, k, v, meta, causal, scale)`: may replace attention over one prefill
@@ -72,6 +73,12 @@ class PolicyRuntime:
 
     def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
         return None
+
+    def watches_keys(self) -> bool:
+        """Whether `on_kv_written` uses the keys (host only): the executor then hands it the
+        keys as a later read sees them (dequantized from an fp8 cache). By default: whether
+        the runtime overrides `on_kv_written`."""
+        return type(self).on_kv_written is not PolicyRuntime.on_kv_written
 
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return False

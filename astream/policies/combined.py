@@ -54,6 +54,9 @@ class CombinedRuntime(PolicyRuntime):
         self.prefill.on_kv_written(layer, keys, slots)
         self.decode.on_kv_written(layer, keys, slots)
 
+    def watches_keys(self) -> bool:
+        return self.prefill.watches_keys() or self.decode.watches_keys()
+
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return self.decode.selects_decode(layer, max_context)
 

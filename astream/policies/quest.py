@@ -86,6 +86,9 @@ class QuestRuntime(PolicyRuntime):
             kmin, kmax = self.bounds[layer]
             ops.update_page_bounds(kmin, kmax, keys, slots, self.policy.page_size)
 
+    def watches_keys(self) -> bool:
+        return self.may_select_decode()
+
     def may_select_decode(self) -> bool:
         return any(bounds is not None for bounds in self.bounds)
 
