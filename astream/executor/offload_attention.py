@@ -55,9 +55,9 @@ class OffloadAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer in self.engine.device_layers:
             return self.on_device(layer, q, k, v)
-        self.engine.write_layer(layer, k, v, self.plan.new_kv)
+        stored = self.engine.write_layer(layer, k, v, self.plan.new_kv)
         if self.policy.watches_keys():
-            self.policy.on_kv_written(layer, self.engine.format.as_stored(layer, k), self.slots)
+            self.policy.on_kv_written(layer, self.engine.format.read_keys(layer, stored), self.slots)
         out, lse = self._on_device(layer, q, k, v)
         if self.sparse[layer]:
             out, lse = self._selected_pages(layer, q, out, lse)

@@ -31,9 +31,10 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        self.cache.store(layer, k, v, meta.slot_mapping)
+        stored = self.cache.store(layer, k, v, meta.slot_mapping)
         if self.policy.watches_keys():
-            self.policy.on_kv_written(layer, self.cache.format.as_stored(layer, k), meta.slot_mapping)
+            self.policy.on_kv_written(layer, self.cache.format.read_keys(layer, stored),
+                                      meta.slot_mapping)
         split = meta.num_prefill_tokens
         if split == q.shape[0]:
             return self._prefill(layer, q, k, v)

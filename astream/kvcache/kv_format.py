@@ -51,7 +51,7 @@ class KVFormat:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def scales(self, layer: int) -> KVScales | None:
         return KVScales(self.k_scale[layer], self.v_scale[layer]) if self.scaled else None
@@ -70,15 +70,12 @@ class KVFormat:
         return (_scale_up(k, self.k_scale[layer], self.compute_dtype),
                 _scale_up(v, self.v_scale[layer], self.compute_dtype))
 
-    def as_stored(self, layer: int, keys: Tensor) -> Tensor:
-        """Keys [..., kv_heads, head_dim] as a later read will see them (what a policy's
-        key statistics must describe)."""
-        if not self.scaled and self.dtype == keys.dtype:
-            return keys
+    def read_keys(self, layer: int, stored: Tensor) -> Tensor:
+        """Stored keys [..., kv_heads, head_dim] as a read returns them, in the compute dtype
+        (what a policy's key statistics must describe)."""
         if not self.scaled:
-            return keys.to(self.dtype).to(keys.dtype)
-        scale = self.k_scale[layer]
-        return _scale_up(_scale_down(keys, scale, self.dtype), scale, keys.dtype)
+            return stored.to(self.compute_dtype)
+        return _scale_up(stored, self.k_scale[layer], self.compute_dtype)
 
 
 def _scale_down(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

@@ -149,10 +149,10 @@ class OffloadEngine:
 
     # ---- new KV: staging and tails, then to the host -----------------------------------------
 
-    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, new: NewKV) -> None:
+    def write_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor, new: NewKV) -> torch.Tensor:
         """Store a layer's new K/V rows ([T, kv_heads, head_dim], quantized here) and start
         copying the blocks they complete to the host, overlapping the rest of this layer and
-        the next."""
+        the next. Returns the keys as stored (format.dtype)."""
         rt = self.runtime
         k, v = self.format.quantize(layer, k, v)
         rt.wait(self.offloaded[layer])          # its tails may still be leaving for the host
@@ -168,6 +168,7 @@ class OffloadEngine:
             done = self._to_host([layer], staging, new)
             if new.staging_to_host:
                 self.staging_free[layer % 2] = done
+        return k
 
     def scales(self, layer: int) -> KVScales | None:
         """The layer's dequantization scales, for kernels reading its tails, slots or pages."""

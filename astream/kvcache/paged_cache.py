@@ -49,11 +49,13 @@ class PagedKVCache:
     def scratch_slot(self) -> int:
         return self.num_blocks * self.block_size
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write k/v [T, kv_heads, head_dim] at flat slot indices [T] (block * block_size + offset)."""
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Write k/v [T, kv_heads, head_dim] at flat slot indices [T] (block * block_size +
+        offset); returns the keys as stored (format.dtype)."""
         k, v = self.format.quantize(layer, k, v)
         for cache, rows in ((self.k[layer], k), (self.v[layer], v)):
             as_bytes(cache).view(-1, *rows.shape[1:]).index_copy_(0, slots, as_bytes(rows))
+        return k
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V at flat slots [N] as [N, kv_heads, head_dim] in the compute dtype."""
