@@ -17,7 +17,9 @@ import torch
 
 from common import RESULTS, save, smollm2  # noqa: I001  (sets sys.path)
 from astream import LLM, SamplingParams
+from astream.executor.build import build_graphs
 from astream.ops.attention import VarlenMeta, varlen_attention
+from astream.ops.layer_kernels import LayerKernels
 
 PROMPTS = [
     "The quick brown fox",
@@ -35,7 +37,11 @@ QUEST_VARIANTS = {"quest32": {}, "offload_quest32_graphs": {"offload": True},
 
 
 def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    decoder = llm.core.model.decoder
+    return all_logits(llm.core.model.decoder, ids)[-1]
+
+
+def all_logits(decoder, ids: list[int]) -> torch.Tensor:
+    """float32 logits at every position of `ids` (one dense forward), on the CPU."""
     n, device = len(ids), decoder.device
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     meta = VarlenMeta(cu, cu, n, n, [0, n], [0, n])
@@ -46,7 +52,28 @@ def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
     with torch.inference_mode():
         hidden = decoder.forward(torch.tensor(ids, device=device), torch.arange(n, device=device), attend)
-        return decoder.logits(hidden[-1:])[0].float().cpu()
+        return decoder.logits(hidden).float().cpu()
+
+
+def kernel_agreement(decoder, reference: list[dict]) -> dict:
+    """The fused layer kernels against the torch references on this GPU, teacher-forced on the
+    CPU reference's tokens: the largest logit difference, and the positions whose argmax
+    differs with the top-2 margin there (in the reference kernels' logits)."""
+    chosen = decoder.kernels
+    logits = {}
+    for name in ("reference", "triton"):
+        decoder.kernels = LayerKernels(name)
+        logits[name] = [all_logits(decoder, r["prompt_ids"] + r["tokens"]) for r in reference]
+    decoder.kernels = chosen
+    flips, worst = [], 0.0
+    for ref, fused in zip(logits["reference"], logits["triton"]):
+        worst = max(worst, float((ref - fused).abs().max()))
+        for pos in (ref.argmax(-1) != fused.argmax(-1)).nonzero().flatten().tolist():
+            top2 = ref[pos].topk(2).values
+            flips.append(round(float(top2[0] - top2[1]), 4))
+    positions = sum(len(r["prompt_ids"]) + len(r["tokens"]) for r in reference)
+    return {"positions": positions, "max_abs_logit_diff": round(worst, 4),
+            "argmax_differs": len(flips), "top2_margins_where_differs": flips}
 
 
 def divergence(llm: LLM, prompt_ids: list[int], ref: list[int], got: list[int]) -> dict | None:
@@ -65,6 +92,8 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="CPU variants, checks the script")
     parser.add_argument("--kv-cache-dtype", default="auto", help="every GPU variant's KV dtype")
+    parser.add_argument("--layer-kernels", default=None,
+                        help="decoder kernels of every variant: reference | triton (default: the engine's)")
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=32)
     if args.reference:
@@ -82,6 +111,11 @@ def main() -> None:
     for name, extra in variants.items():
         with LLM(smollm2(), device=device, dtype=dtype, max_model_len=2048,
                  kv_cache_dtype=args.kv_cache_dtype, **extra) as llm:
+            if args.layer_kernels:
+                use_kernels(llm, args.layer_kernels)
+            if name == "gpu_bf16_graphs" and not args.smoke:
+                results["fused_vs_reference_kernels"] = kernel_agreement(llm.core.model.decoder, reference)
+                print("fused vs reference kernels:", results["fused_vs_reference_kernels"], flush=True)
             outs = llm.generate([r["prompt_ids"] for r in reference], params)
             graph_steps = llm.stats()["graph_steps"]
             results[name] = [{"identical": ref["tokens"] == out.token_ids, "text": out.text,
@@ -99,7 +133,17 @@ def main() -> None:
         f"{a} vs {b}": sum(x == y for x, y in zip(tokens[a], tokens[b])) for a, b in zip(quest, quest[1:])}
     print("Quest, same tokens (of 5):", results["quest_agreement"], flush=True)
     kv = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
-    save(f"gpu_correctness{kv}", results, smoke=args.smoke)
+    kernels = f"_{args.layer_kernels}" if args.layer_kernels else ""
+    save(f"gpu_correctness{kv}{kernels}", results, smoke=args.smoke)
+
+
+def use_kernels(llm: LLM, name: str) -> None:
+    """Run `llm` on the named decoder kernels, its CUDA graphs captured again with them."""
+    runner = llm.core.runner
+    runner.decoder.kernels = LayerKernels(name)
+    if runner.graphs is not None:
+        runner.graphs = None
+        runner.graphs = build_graphs(llm.core.config, llm.core.plan, runner)
 
 
 if __name__ == "__main__":

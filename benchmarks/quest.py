@@ -23,6 +23,7 @@ from common import percentile, save, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.executor.build import build_graphs
+from astream.ops.layer_kernels import LayerKernels
 from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
@@ -41,17 +42,19 @@ def decode_steps(core: EngineCore, steps: int) -> list[float]:
     return times
 
 
-def set_budget(core: EngineCore, budget: int) -> None:
+def set_budget(core: EngineCore, budget: int, kernels: str) -> None:
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
-    # Graphs bake the selection in: capture again (with offload, Full has none: it reads
+    core.runner.decoder.kernels = LayerKernels(kernels)
+    # Graphs bake the selection and the kernels in: capture again (with offload, Full has none: it reads
     # through the ring, eagerly). --eager keeps every step eager.
     core.runner.graphs = None
     gc.collect()
     core.runner.graphs = build_graphs(core.config, core.plan, core.runner)
 
 
-def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int) -> list:
+def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int,
+             kernel_sets: list[str]) -> list:
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     sinks = [core.add_request(f"c{seed}-{i}", torch.randint(100, 49152, (ctx,), generator=gen).tolist(),
@@ -62,14 +65,16 @@ def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: 
     core.runtime.synchronize()
     prefill_s = time.perf_counter() - start
     rows = []
-    for budget in budgets:
-        set_budget(core, budget)
-        decode_steps(core, 2)                                    # warm-up (and Triton compiles)
-        before = core.stats()
-        times = decode_steps(core, steps)
-        after = core.stats()
-        rows.append(row(ctx, batch, budget, times, before, after, steps, prefill_s))
-        print(rows[-1], flush=True)
+    for kernels in kernel_sets:
+        for budget in budgets:
+            set_budget(core, budget, kernels)
+            decode_steps(core, 2)                                # warm-up (and Triton compiles)
+            before = core.stats()
+            times = decode_steps(core, steps)
+            after = core.stats()
+            rows.append({**row(ctx, batch, budget, times, before, after, steps, prefill_s),
+                         "layer_kernels": kernels})
+            print(rows[-1], flush=True)
     for i in range(batch):
         core.abort(f"c{seed}-{i}")
     return rows
@@ -90,12 +95,13 @@ def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
             "prefill_s": round(prefill_s, 2)}
 
 
-def run_mode(config: EngineConfig, cases, budgets, steps) -> list:
+def run_mode(config: EngineConfig, cases, budgets, steps, kernel_sets) -> list:
     core = EngineCore.create(config)
     try:
         rows = []
         for i, (ctx, batch) in enumerate(cases):
-            rows += one_case(core, ctx, batch, budgets, steps, seed=i)
+            rows += one_case(core, ctx, batch, budgets, steps, i, kernel_sets or
+                             [core.runner.decoder.kernels.name])
         return rows
     finally:
         core.runner.graphs = None
@@ -116,8 +122,12 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     parser.add_argument("--kv-dtypes", default="auto",
                         help="KV cache dtypes to run in turn, e.g. auto,fp8_e4m3")
+    parser.add_argument("--layer-kernels", default="",
+                        help="decoder kernels to run in turn on each engine, e.g. reference,triton "
+                             "(default: the engine's own choice)")
     parser.add_argument("--name", default=None, help="results file name")
     args = parser.parse_args()
+    kernel_sets = [k for k in args.layer_kernels.split(",") if k]
     smoke = args.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
@@ -140,31 +150,32 @@ def main() -> None:
     for kv in args.kv_dtypes.split(","):
         kv_base = {**base, "kv_cache_dtype": kv}
         if "resident" not in args.skip:
-            results["resident"] += run_mode(EngineConfig(**kv_base), resident_cases, budgets, steps)
+            results["resident"] += run_mode(EngineConfig(**kv_base), resident_cases, budgets, steps,
+                                           kernel_sets)
             save(name, results, smoke=smoke)
         if "offload" not in args.skip:
             block = 16 if smoke else 256
             pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
             cfg = EngineConfig(**{**kv_base, "offload": True, "num_kv_blocks": pool,
                                   **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
-            results["offload"] += run_mode(cfg, offload_cases, budgets, steps)
+            results["offload"] += run_mode(cfg, offload_cases, budgets, steps, kernel_sets)
             save(name, results, smoke=smoke)
     summarize(results)
 
 
 def summarize(results: dict) -> None:
-    """Ratios are to the resident Full step of the run's first KV dtype."""
+    """Ratios are to the resident Full step of the run's first KV dtype, same layer kernels."""
     first = next((r["kv"] for r in results.get("resident", [])), None)
-    resident = {(r["context"], r["batch"]): r["step_ms"] for r in results.get("resident", [])
-                if r["budget"] == "full" and r["kv"] == first}
-    print(f"{'mode':<9}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
+    resident = {(r["context"], r["batch"], r["layer_kernels"]): r["step_ms"]
+                for r in results.get("resident", []) if r["budget"] == "full" and r["kv"] == first}
+    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
           f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}")
     for mode in ("resident", "offload"):
         for r in results.get(mode, []):
-            ref = resident.get((r["context"], r["batch"]))
+            ref = resident.get((r["context"], r["batch"], r["layer_kernels"]))
             ratio = f"{r['step_ms'] / ref:.2f}" if ref else "-"
             spread = f"{r['step_ms_min']}/{r['step_ms']}/{r['step_ms_max']}"
-            print(f"{mode:<9}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}"
+            print(f"{mode:<9}{r['layer_kernels']:>10}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}"
                   f"{spread:>26}{ratio:>17}"
                   f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}")
 

@@ -31,9 +31,9 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
-        stored = self.cache.store(layer, k, v, meta.slot_mapping)
+        self.cache.store(layer, k, v, meta.slot_mapping)
         if self.policy.watches_keys():
-            self.policy.on_kv_written(layer, self.cache.format.read_keys(layer, stored),
+            self.policy.on_kv_written(layer, self.cache.stored_keys(layer, k, meta.slot_mapping),
                                       meta.slot_mapping)
         split = meta.num_prefill_tokens
         if split == q.shape[0]:

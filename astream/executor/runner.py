@@ -152,8 +152,8 @@ class ModelRunner:
         """Layer by layer; yields after each so the driver can bound how far the host runs
         ahead of the device, and let other work on the event loop in between."""
         decoder = self.decoder
-        hidden = decoder.embed(inputs.input_ids)
+        stream = decoder.embed(inputs.input_ids)
         for layer in range(decoder.config.num_layers):
-            hidden = decoder.layer(layer, hidden, inputs.positions, attend)
+            stream = decoder.layer(layer, stream, inputs.positions, attend)
             yield self.runtime.record_event()
-        return decoder.final_norm(hidden)
+        return decoder.final_norm(stream)

@@ -19,11 +19,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+from astream.ops.kv_write import FP8_DTYPES, as_bytes, dequantize_ref, is_fp8, quantize_kv
 
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in FP8_DTYPES
+__all__ = ["FP8_DTYPES", "KVFormat", "KVScales", "as_bytes", "is_fp8"]
 
 
 class KVScales(NamedTuple):
@@ -58,37 +56,16 @@ class KVFormat:
 
     def quantize(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """K/V rows [..., kv_heads, head_dim] as stored."""
-        if not self.scaled:
-            return k.to(self.dtype), v.to(self.dtype)
-        return (_scale_down(k, self.k_scale[layer], self.dtype),
-                _scale_down(v, self.v_scale[layer], self.dtype))
+        return quantize_kv(k, v, self.scales(layer), self.dtype)
 
     def dequantize(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Stored K/V [..., kv_heads, head_dim] in the compute dtype."""
-        if not self.scaled:
-            return k.to(self.compute_dtype), v.to(self.compute_dtype)
-        return (_scale_up(k, self.k_scale[layer], self.compute_dtype),
-                _scale_up(v, self.v_scale[layer], self.compute_dtype))
+        scales = self.scales(layer)
+        return (dequantize_ref(k, scales and scales.k, self.compute_dtype),
+                dequantize_ref(v, scales and scales.v, self.compute_dtype))
 
     def read_keys(self, layer: int, stored: Tensor) -> Tensor:
         """Stored keys [..., kv_heads, head_dim] as a read returns them, in the compute dtype
         (what a policy's key statistics must describe)."""
-        if not self.scaled:
-            return stored.to(self.compute_dtype)
-        return _scale_up(stored, self.k_scale[layer], self.compute_dtype)
-
-
-def _scale_down(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    # Saturate: a float8 cast of an out-of-range value gives NaN (e4m3fn) or inf (e5m2).
-    largest = torch.finfo(dtype).max
-    return (x.float() / scale.unsqueeze(-1)).clamp_(-largest, largest).to(dtype)
-
-
-def _scale_up(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    return (x.float() * scale.unsqueeze(-1)).to(dtype)
-
-
-def as_bytes(x: Tensor) -> Tensor:
-    """A float8 tensor viewed as uint8 (same shape), anything else as itself: some index ops
-    (index_copy_ on the CPU) have no float8 kernels, and moving bytes is all they do."""
-    return x.view(torch.uint8) if is_fp8(x.dtype) else x
+        return dequantize_ref(stored, self.k_scale[layer] if self.scaled else None,
+                              self.compute_dtype)

@@ -8,6 +8,7 @@ import torch
 
 from astream.kvcache.kv_format import KVFormat, KVScales, as_bytes
 from astream.models.config import ModelConfig
+from astream.ops.kv_write import write_kv
 
 
 @dataclass(slots=True)
@@ -49,13 +50,18 @@ class PagedKVCache:
     def scratch_slot(self) -> int:
         return self.num_blocks * self.block_size
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Write k/v [T, kv_heads, head_dim] at flat slot indices [T] (block * block_size +
-        offset); returns the keys as stored (format.dtype)."""
-        k, v = self.format.quantize(layer, k, v)
-        for cache, rows in ((self.k[layer], k), (self.v[layer], v)):
-            as_bytes(cache).view(-1, *rows.shape[1:]).index_copy_(0, slots, as_bytes(rows))
-        return k
+        offset), quantized to the format."""
+        write_kv(self.k[layer], self.v[layer], slots, k, v, self.format.scales(layer))
+
+    def stored_keys(self, layer: int, k: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The keys `store` wrote at `slots` from `k`, as a read returns them (compute dtype):
+        `k` itself when the format stores it as it is."""
+        if not self.format.scaled and self.format.dtype == k.dtype:
+            return k
+        stored = self.k[layer].view(-1, *self.k[layer].shape[2:])
+        return self.format.read_keys(layer, as_bytes(stored).index_select(0, slots).view(stored.dtype))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V at flat slots [N] as [N, kv_heads, head_dim] in the compute dtype."""

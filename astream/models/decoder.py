@@ -1,20 +1,25 @@
 """One decoder for the Llama / Qwen2 / Qwen3 family, as plain functions of explicit inputs.
 
-A layer is split in two around attention so the caller decides how attention runs
-(paged KV on the device, or KV streamed through a ring buffer from the host) and
-may interleave other work between layers. Nothing here holds per-batch state.
+The caller passes `attend`, so it decides how attention runs (paged KV on the device, or
+KV streamed through a ring buffer from the host) and may interleave other work between
+layers; `layer` runs one layer. Nothing here holds per-batch state.
+
+Between sub-layers the residual stream travels as a `Residual`: the running sum and the
+last sub-layer's output not yet added to it, so each add happens inside the next RMSNorm
+(one fused kernel on CUDA, see ops.layer_kernels).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from astream.models.config import ModelConfig
-from astream.models.layers import RotaryTable, rms_norm, swiglu
+from astream.models.layers import RotaryTable
+from astream.ops.layer_kernels import LayerKernels
 
 # attend(layer_index, q [T,H,D], k [T,KVH,D], v [T,KVH,D]) -> out [T,H,D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -42,10 +47,19 @@ class DecoderWeights:
 
 
 @dataclass(slots=True)
+class Residual:
+    """The residual stream: `hidden` + `pending` (None: nothing pending), [T, hidden] each."""
+
+    hidden: torch.Tensor
+    pending: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class Decoder:
     config: ModelConfig
     weights: DecoderWeights
     rope: RotaryTable
+    kernels: LayerKernels = field(default_factory=LayerKernels)
     mlp_chunk_tokens: int = 8192        # bounds the MLP's activation memory on long prefills
 
     @property
@@ -56,52 +70,40 @@ class Decoder:
     def device(self) -> torch.device:
         return self.weights.embed.device
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weights.embed)
+    def embed(self, input_ids: torch.Tensor) -> Residual:
+        return Residual(F.embedding(input_ids, self.weights.embed))
 
-    def attention_inputs(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Norm, QKV projection, optional q/k norm and RoPE: returns q, k, v."""
-        cfg, w = self.config, self.weights.layers[layer]
-        x = rms_norm(hidden, w.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
-        if w.q_norm is not None:
-            q = rms_norm(q, w.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, w.k_norm, cfg.rms_norm_eps)
-        return self.rope.apply(q, positions), self.rope.apply(k, positions), v
+    def layer(self, layer: int, stream: Residual, positions: torch.Tensor,
+              attend: AttendFn) -> Residual:
+        cfg, w, ops = self.config, self.weights.layers[layer], self.kernels
+        x, hidden = ops.add_rms_norm(stream.hidden, stream.pending, w.input_norm, cfg.rms_norm_eps)
+        q, k, v = ops.qkv_rope(F.linear(x, w.qkv, w.qkv_bias), positions, self.rope.cos,
+                               self.rope.sin, cfg.num_heads, cfg.num_kv_heads, w.q_norm,
+                               w.k_norm, cfg.rms_norm_eps)
+        attn_out = F.linear(attend(layer, q, k, v).reshape(hidden.shape[0], -1), w.o_proj)
+        x, hidden = ops.add_rms_norm(hidden, attn_out, w.post_norm, cfg.rms_norm_eps)
+        return Residual(hidden, self._mlp(w, x))
 
-    def finish_layer(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, MLP, residual."""
-        cfg, w = self.config, self.weights.layers[layer]
-        hidden = hidden + F.linear(attn_out.reshape(hidden.shape[0], -1), w.o_proj)
-        x = rms_norm(hidden, w.post_norm, cfg.rms_norm_eps)
+    def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.mlp_chunk_tokens:
-            return hidden + swiglu(x, w.gate_up, w.down)
+            return F.linear(self.kernels.silu_mul(F.linear(x, w.gate_up)), w.down)
         # Long prefills: the [T, 2*intermediate] activation dominates peak memory.
+        out = torch.empty_like(x)
         for start in range(0, x.shape[0], self.mlp_chunk_tokens):
-            end = start + self.mlp_chunk_tokens
-            hidden[start:end] += swiglu(x[start:end], w.gate_up, w.down)
-        return hidden
-
-    def layer(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor,
-              attend: AttendFn) -> torch.Tensor:
-        q, k, v = self.attention_inputs(layer, hidden, positions)
-        return self.finish_layer(layer, hidden, attend(layer, q, k, v))
+            rows = slice(start, start + self.mlp_chunk_tokens)
+            out[rows] = F.linear(self.kernels.silu_mul(F.linear(x[rows], w.gate_up)), w.down)
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
-        hidden = self.embed(input_ids)
+        stream = self.embed(input_ids)
         for layer in range(self.config.num_layers):
-            hidden = self.layer(layer, hidden, positions, attend)
-        return self.final_norm(hidden)
+            stream = self.layer(layer, stream, positions, attend)
+        return self.final_norm(stream)
 
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+    def final_norm(self, stream: Residual) -> torch.Tensor:
+        return self.kernels.add_rms_norm(stream.hidden, stream.pending, self.weights.norm,
+                                         self.config.rms_norm_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits for the given (already normed) hidden rows."""

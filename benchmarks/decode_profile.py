@@ -1,0 +1,121 @@
+"""Where a resident decode step's time goes, per decoder kernel set: kernels per step, GPU
+busy time, the wall time of a replayed (CUDA graph) step and of an eager one, top kernels.
+
+Qwen3-4B shape, random weights, bf16, one sequence of `--ctx` tokens, Full attention (or
+Quest with `--budget`). The same engine and sequence run each `--layer-kernels` set in turn
+(the graphs are captured again for each), so the sets are compared side by side.
+
+    python benchmarks/decode_profile.py --tokenizer DIR [--ctx 32768] [--budget 4096]
+    python benchmarks/decode_profile.py --smoke          # CPU, tiny shape (eager only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from common import percentile, save, shaped_model, smollm2  # noqa: I001
+from copy_overlap import trace_events, union_intervals
+from quest import FULL, decode_steps, set_budget
+from astream.config import EngineConfig
+from astream.core import EngineCore
+from astream.policies import QuestPolicy
+from astream.sampling import SamplingParams
+
+
+def kernel_breakdown(core: EngineCore, steps: int) -> dict:
+    """Kernels launched per step, GPU busy ms per step (union of kernel intervals), top kernels."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode_steps(core, steps)
+    kernels = [e for e in trace_events(prof) if e.get("cat") == "kernel"]
+    busy = sum(b - a for a, b in union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels]))
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"][:80], []).append(e["dur"])
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    return {"kernels_per_step": round(len(kernels) / steps, 1),
+            "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
+            "top_kernels": [{"name": n, "per_step": round(len(d) / steps, 1),
+                             "ms_per_step": round(sum(d) / 1e3 / steps, 3)} for n, d in top]}
+
+
+def median_ms(times: list[float]) -> float:
+    return round(percentile(times, 50) * 1e3, 3)
+
+
+def host_hotspots(core: EngineCore, steps: int, top: int = 25) -> list[str]:
+    """cProfile of eager steps: the functions with the most own (tottime) host time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    decode_steps(core, steps)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
+def profile_kernels(core: EngineCore, kernels: str, budget: int, steps: int,
+                    host_profile: bool = False) -> dict:
+    set_budget(core, budget, kernels)                 # captures graphs (None on the CPU)
+    decode_steps(core, 3)
+    graphed = median_ms(decode_steps(core, steps)) if core.runner.graphs is not None else None
+    result = {"layer_kernels": kernels, "graph_step_ms": graphed}
+    if core.runner.graphs is not None:
+        result["graph"] = kernel_breakdown(core, 3) if torch.cuda.is_available() else {}
+    graphs, core.runner.graphs = core.runner.graphs, None
+    decode_steps(core, 2)
+    result["eager_step_ms"] = median_ms(decode_steps(core, steps))
+    if torch.cuda.is_available():
+        result["eager"] = kernel_breakdown(core, 3)
+    if host_profile:
+        result["eager_host_top"] = host_hotspots(core, steps)
+    core.runner.graphs = graphs
+    print(result, flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--ctx", type=int, default=32768)
+    parser.add_argument("--budget", default="full", help="full, or a Quest budget in tokens")
+    parser.add_argument("--layer-kernels", default="reference,triton", help="(smoke: reference)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--host-profile", action="store_true", help="cProfile the eager steps")
+    args = parser.parse_args()
+    shape, ctx = ("tiny", 256) if args.smoke else ("qwen3-4b", args.ctx)
+    budget = FULL if args.budget == "full" else int(args.budget)
+    config = EngineConfig(model=str(shaped_model(shape, max_positions=ctx + 1024)),
+                          load_format="dummy", tokenizer=args.tokenizer or smollm2(),
+                          device="cpu" if args.smoke else "cuda",
+                          dtype="float32" if args.smoke else "bfloat16", max_num_seqs=1,
+                          max_model_len=ctx + 1024, kv_cache_dtype=args.kv_cache_dtype,
+                          sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=2),
+                          max_num_batched_tokens=16384)
+    core = EngineCore.create(config)
+    prompt = torch.randint(100, 49152, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+    sink = core.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=100_000,
+                                                        ignore_eos=True))
+    start = time.perf_counter()
+    while not sink.tokens:
+        core.step()
+    core.runtime.synchronize()
+    results = {"shape": shape, "context": ctx, "budget": args.budget, "kv": args.kv_cache_dtype,
+               "prefill_s": round(time.perf_counter() - start, 2),
+               "runs": [profile_kernels(core, k, budget, 3 if args.smoke else args.steps,
+                                               args.host_profile)
+                        for k in (("reference",) if args.smoke else args.layer_kernels.split(","))]}
+    save(f"decode_profile_{args.budget}_{ctx}", results, smoke=args.smoke)
+    core.close()
+
+
+if __name__ == "__main__":
+    main()
