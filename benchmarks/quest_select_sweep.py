@@ -1,0 +1,90 @@
+"""Quest's page selection on the GPU: radix selection against bisection, per warp count.
+
+One call scores every page of a Qwen3-4B-shaped layer (8 KV heads, 4 query heads each,
+head dim 128, bf16 bounds) and picks the pages of the budget. Each variant is replayed from
+a CUDA graph of 20 calls, so the figure is GPU time, not launch time; it also checks that
+every variant picks the same pages. Medians of --reps replays, microseconds per call.
+
+    python benchmarks/quest_select_sweep.py [--contexts 32768,131072] [--batches 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import save  # noqa: I001
+from astream.ops import triton_quest_select as tqs
+
+BLOCK, PAGE, KV_HEADS, GROUP, DIM = 256, 16, 8, 4, 128
+
+
+def inputs(context: int, batch: int, seed: int) -> tuple:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks = -(-context // BLOCK) + 1
+    pages = batch * blocks * (BLOCK // PAGE)
+    center = torch.randn(pages, KV_HEADS, DIM, generator=gen, device="cuda")
+    spread = torch.rand(pages, KV_HEADS, DIM, generator=gen, device="cuda")
+    kmin, kmax = (center - spread).bfloat16(), (center + spread).bfloat16()
+    tables = torch.randperm(batch * blocks, generator=gen, device="cuda").view(batch, blocks).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, KV_HEADS * GROUP, DIM, generator=gen, device="cuda").bfloat16()
+    return q, kmin, kmax, tables, lens
+
+
+def call(args, budget_pages: int, max_pages: int, radix: bool, warps: int):
+    return tqs.select_decode_pages_triton(
+        *args, max_pages=max_pages, block_size=BLOCK, page_size=PAGE, budget_pages=budget_pages,
+        sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=True, physical=True,
+        counters=None, radix=radix, select_warps=warps)
+
+
+def time_graph(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / 20)
+    return round(sorted(times)[len(times) // 2], 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--budget", type=int, default=4096)
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    rows = []
+    for context in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            data = inputs(context, batch, seed=context + batch)
+            max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
+            budget = args.budget // PAGE
+            picked = {}
+            row = {"context": context, "batch": batch, "budget_pages": budget}
+            for radix in (False, True):
+                for warps in (4, 8, 16):
+                    name = f"{'radix' if radix else 'bisect'}_w{warps}"
+                    picked[name] = call(data, budget, max_pages, radix, warps)[0].clone()
+                    row[name + "_us"] = time_graph(
+                        lambda: call(data, budget, max_pages, radix, warps), args.reps)
+            first = next(iter(picked.values()))
+            row["same_pages"] = all(torch.equal(first, other) for other in picked.values())
+            print(row, flush=True)
+            rows.append(row)
+    save("quest_select_sweep", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
