@@ -1,4 +1,4 @@
-"""Quest's page selection on the GPU: radix selection against bisection, per warp count.
+"""Quest's page selection on the GPU, per warp count of the select kernel.
 
 One call scores every page of a Qwen3-4B-shaped layer (8 KV heads, 4 query heads each,
 head dim 128, bf16 bounds) and picks the pages of the budget. Each variant is replayed from
@@ -33,11 +33,11 @@ def inputs(context: int, batch: int, seed: int) -> tuple:
     return q, kmin, kmax, tables, lens
 
 
-def call(args, budget_pages: int, max_pages: int, radix: bool, warps: int):
+def call(args, budget_pages: int, max_pages: int, warps: int):
     return tqs.select_decode_pages_triton(
         *args, max_pages=max_pages, block_size=BLOCK, page_size=PAGE, budget_pages=budget_pages,
         sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=True, physical=True,
-        counters=None, radix=radix, select_warps=warps)
+        counters=None, select_warps=warps)
 
 
 def time_graph(fn, reps: int) -> float:
@@ -73,12 +73,10 @@ def main() -> None:
             budget = args.budget // PAGE
             picked = {}
             row = {"context": context, "batch": batch, "budget_pages": budget}
-            for radix in (False, True):
-                for warps in (4, 8, 16):
-                    name = f"{'radix' if radix else 'bisect'}_w{warps}"
-                    picked[name] = call(data, budget, max_pages, radix, warps)[0].clone()
-                    row[name + "_us"] = time_graph(
-                        lambda: call(data, budget, max_pages, radix, warps), args.reps)
+            for warps in (4, 8, 16):
+                name = f"warps{warps}"
+                picked[name] = call(data, budget, max_pages, warps)[0].clone()
+                row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps), args.reps)
             first = next(iter(picked.values()))
             row["same_pages"] = all(torch.equal(first, other) for other in picked.values())
             print(row, flush=True)

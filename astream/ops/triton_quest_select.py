@@ -27,8 +27,7 @@ from astream.ops.triton_quest import group_tile
 SCORE_BLOCK_P = 64      # pages per score program
 SELECT_CHUNK = 1024     # scores per step of the select kernel's passes over a long row
 MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
-SELECT_WARPS = 16
-RADIX_SELECT = False    # radix selection (4 passes of histograms) instead of bisection (33 passes)
+SELECT_WARPS = 16       # H100, 8K pages: 57 us a call against 64 at 8 warps (quest_select_sweep.py)
 # Bisection bounds on the int32 keys: below every key, and above every key.
 BELOW_KEYS = tl.constexpr(-2147483648 - 1)
 ABOVE_KEYS = tl.constexpr(2147483648)
@@ -148,55 +147,12 @@ def _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
 
 
 @triton.jit
-def _digit_counts(keys, valid, prefix, shift):
-    """How many valid keys whose bits above `shift + 8` equal prefix's have each value of the
-    8-bit digit at `shift` (keys as unsigned: int32 + 2**31)."""
-    unsigned = keys.to(tl.int64) + 2147483648
-    match = valid & ((unsigned >> (shift + 8)) == (prefix >> (shift + 8)))
-    digit = tl.where(match, (unsigned >> shift) & 255, 0).to(tl.int32)
-    counts = tl.histogram(digit, 256)
-    # Keys that do not match were counted as digit 0: take them back out.
-    return tl.where(tl.arange(0, 256) == 0, counts - tl.sum((~match).to(tl.int32), axis=0), counts)
-
-
-@triton.jit
-def _radix_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                     CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """As _bisect_threshold, by radix selection: four passes of 8 bits, most significant
-    first; each pass histograms the digit of the keys still tied with the prefix found."""
-    prefix = tl.zeros([], tl.int64)
-    need = budget
-    above = tl.zeros([], tl.int32)
-    passes = tl.where(n_pages > budget, 4, 0)
-    bins = tl.arange(0, 256)
-    for p in range(0, passes):
-        shift = 24 - 8 * p
-        if IN_REGISTERS:
-            counts = _digit_counts(keys, lanes < n_pages, prefix, shift)
-        else:
-            counts = tl.zeros([256], tl.int32)
-            for start in range(0, n_pages, CHUNK):
-                pos = start + lanes
-                chunk = _rank_keys(row, pos, n_pages, sink, recent)
-                counts += _digit_counts(chunk, pos < n_pages, prefix, shift)
-        at_least = tl.cumsum(counts, axis=0, reverse=True)     # keys with digit >= d
-        digit = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1
-        higher = tl.sum(tl.where(bins > digit, counts, 0), axis=0)
-        need -= higher
-        above += higher
-        prefix += digit.to(tl.int64) << shift
-    lo = tl.where(n_pages > budget, prefix - 2147483648, BELOW_KEYS)
-    return lo, above
-
-
-@triton.jit
 def _select_kernel(
     scores_ptr, lens_ptr, tables_ptr, idx_ptr, counts_ptr, phys_ptr, counters_ptr,
     stride_sb, stride_sh, stride_tb, stride_ib, stride_ih, stride_cb, stride_pb, stride_ph,
     budget, sink, recent, width,
     PAGE: tl.constexpr, PPB: tl.constexpr, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr,
     APPEND_NEWEST: tl.constexpr, WRITE_PHYSICAL: tl.constexpr, COUNT: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -205,12 +161,8 @@ def _select_kernel(
     lanes = tl.arange(0, CHUNK)
     keys = _rank_keys(row, lanes, n_pages, sink, recent)   # the row, when it fits: IN_REGISTERS
     # Largest threshold t with count(key >= t) >= budget; none needed if every page fits.
-    if RADIX:
-        lo, above = _radix_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                                     CHUNK, IN_REGISTERS)
-    else:
-        lo, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                                      CHUNK, IN_REGISTERS)
+    lo, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
+                                  CHUNK, IN_REGISTERS)
     ties_wanted = tl.where(n_pages > budget, budget - above, 0)
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
@@ -279,7 +231,7 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
                                recent_pages: int, gqa_reduce: str, append_newest: bool,
                                physical: bool, counters: Tensor | None,
                                max_row_in_registers: int = MAX_ROW_IN_REGISTERS,
-                               radix: bool = RADIX_SELECT, select_warps: int = SELECT_WARPS,
+                               select_warps: int = SELECT_WARPS,
                                ) -> tuple[Tensor, Tensor, Tensor | None]:
     """See astream.ops.quest_select.select_decode_pages_ref (max_row_in_registers: tests)."""
     batch, n_heads, head_dim = q.shape
@@ -316,6 +268,6 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
         budget_pages, sink_pages, recent_pages, width, PAGE=page_size, PPB=ppb,
         CHUNK=row if in_registers else SELECT_CHUNK, IN_REGISTERS=in_registers,
         APPEND_NEWEST=append_newest, WRITE_PHYSICAL=physical, COUNT=counters is not None,
-        RADIX=radix, num_warps=select_warps if in_registers else NUM_WARPS,
+        num_warps=select_warps if in_registers else NUM_WARPS,
     )
     return indices, counts, phys
