@@ -33,14 +33,19 @@ def kernel_breakdown(core: EngineCore, steps: int) -> dict:
     """Kernels launched per step, GPU busy ms per step (union of kernel intervals), top kernels."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_steps(core, steps)
-    kernels = [e for e in trace_events(prof) if e.get("cat") == "kernel"]
+    events = trace_events(prof)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     busy = sum(b - a for a, b in union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in kernels]))
+    copy_busy = sum(b - a for a, b in union_intervals([(e["ts"], e["ts"] + e["dur"]) for e in copies]))
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e["name"][:80], []).append(e["dur"])
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
     return {"kernels_per_step": round(len(kernels) / steps, 1),
             "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
+            "copies_per_step": round(len(copies) / steps, 1),
+            "copy_busy_ms_per_step": round(copy_busy / 1e3 / steps, 3),
             "top_kernels": [{"name": n, "per_step": round(len(d) / steps, 1),
                              "ms_per_step": round(sum(d) / 1e3 / steps, 3)} for n, d in top]}
 
@@ -50,14 +55,18 @@ def median_ms(times: list[float]) -> float:
 
 
 def host_hotspots(core: EngineCore, steps: int, top: int = 25) -> list[str]:
-    """cProfile of eager steps: the functions with the most own (tottime) host time."""
+    """cProfile of eager steps: the functions with the most own host time (tottime), then the
+    engine's functions with the most time under them (cumtime)."""
     profiler = cProfile.Profile()
     profiler.enable()
     decode_steps(core, steps)
     profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
-    return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    lines = []
+    for order, pattern in (("tottime", ""), ("cumtime", "astream")):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(pattern, top)
+        lines += [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+    return lines
 
 
 def profile_kernels(core: EngineCore, kernels: str, budget: int, steps: int,
@@ -90,6 +99,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--host-profile", action="store_true", help="cProfile the eager steps")
+    parser.add_argument("--offload", action="store_true", help="KV in the host pool (Full: eager ring steps)")
     args = parser.parse_args()
     shape, ctx = ("tiny", 256) if args.smoke else ("qwen3-4b", args.ctx)
     budget = FULL if args.budget == "full" else int(args.budget)
@@ -99,7 +109,8 @@ def main() -> None:
                           dtype="float32" if args.smoke else "bfloat16", max_num_seqs=1,
                           max_model_len=ctx + 1024, kv_cache_dtype=args.kv_cache_dtype,
                           sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=2),
-                          max_num_batched_tokens=16384)
+                          max_num_batched_tokens=16384, offload=args.offload,
+                          **({"num_kv_blocks": (ctx + 1024) // 256 + 64} if args.offload else {}))
     core = EngineCore.create(config)
     prompt = torch.randint(100, 49152, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
     sink = core.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=100_000,
@@ -113,7 +124,8 @@ def main() -> None:
                "runs": [profile_kernels(core, k, budget, 3 if args.smoke else args.steps,
                                                args.host_profile)
                         for k in (("reference",) if args.smoke else args.layer_kernels.split(","))]}
-    save(f"decode_profile_{args.budget}_{ctx}", results, smoke=args.smoke)
+    mode = "_offload" if args.offload else ""
+    save(f"decode_profile{mode}_{args.budget}_{ctx}_{args.kv_cache_dtype}", results, smoke=args.smoke)
     core.close()
 
 

@@ -1,20 +1,48 @@
-import time, torch, torch.nn.functional as F
+"""Host time of one launch: F.linear at batch 1, a torch add, two fused Triton kernels.
+
+Each call is issued 2,000 times back to back without waiting for the GPU; the figure is the
+host's microseconds per call, which is what an eager decode step pays per op.
+
+    python benchmarks/launch_cost.py        # GPU
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common import save  # noqa: I001
 from astream.ops.triton_layer import add_rms_norm_triton, silu_mul_triton
-dev="cuda"
-x=torch.randn(1,2560,device=dev,dtype=torch.bfloat16); w=torch.randn(2560,2560,device=dev,dtype=torch.bfloat16)
-w2=torch.randn(19456,2560,device=dev,dtype=torch.bfloat16); nw=torch.ones(2560,device=dev,dtype=torch.bfloat16)
-gu=torch.randn(1,19456,device=dev,dtype=torch.bfloat16)
-def host_us(fn, n=2000):
-    for _ in range(50): fn()
+
+
+def host_us(fn, n: int = 2000) -> float:
+    for _ in range(50):
+        fn()
     torch.cuda.synchronize()
-    t=time.perf_counter()
-    for _ in range(n): fn()
-    h=(time.perf_counter()-t)/n*1e6
-    torch.cuda.synchronize(); return round(h,1)
-print("F.linear 2560x2560 M=1", host_us(lambda: F.linear(x,w)))
-print("F.linear 19456x2560 M=1", host_us(lambda: F.linear(x,w2)))
-print("torch.mm", host_us(lambda: torch.mm(x,w.t())))
-print("x+x", host_us(lambda: x+x))
-print("add_rms_norm_triton", host_us(lambda: add_rms_norm_triton(x,x,nw,1e-6)))
-print("silu_mul_triton", host_us(lambda: silu_mul_triton(gu)))
-import os
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    per_call = (time.perf_counter() - start) / n * 1e6
+    torch.cuda.synchronize()
+    return round(per_call, 1)
+
+
+def main() -> None:
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x, norm = torch.randn(1, 2560, **bf16), torch.ones(2560, **bf16)
+    w, w_up = torch.randn(2560, 2560, **bf16), torch.randn(19456, 2560, **bf16)
+    gate_up = torch.randn(1, 19456, **bf16)
+    results = {"F.linear 2560x2560 M=1": host_us(lambda: F.linear(x, w)),
+               "F.linear 19456x2560 M=1": host_us(lambda: F.linear(x, w_up)),
+               "torch add": host_us(lambda: x + x),
+               "add_rms_norm_triton": host_us(lambda: add_rms_norm_triton(x, x, norm, 1e-6)),
+               "silu_mul_triton": host_us(lambda: silu_mul_triton(gate_up))}
+    for name, us in results.items():
+        print(f"{name:<26}{us:>8} us")
+    save("launch_cost", results)
+
+
+if __name__ == "__main__":
+    main()
