@@ -92,10 +92,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
+    parser.add_argument("--name", default="engine_overhead", help="results file name")
     args = parser.parse_args()
     smoke = args.smoke
     folder = shaped_model("tiny" if smoke else "qwen3-0.6b", max_positions=4096)
-    config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=smollm2(),
+    config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
                           device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
                           max_num_seqs=args.streams, max_model_len=2048, gpu_memory_utilization=0.4)
     work = random_workload(8 if smoke else args.streams, 10 if smoke else 100, 40 if smoke else 1024,
@@ -110,7 +112,7 @@ def main() -> None:
     result["streams"] = anyio.run(streamed, config, work, backend_options={"use_uvloop": True})
     result["streams_vs_plain"] = round(result["streams"]["output_tok_s"] /
                                        result["plain_step_loop"]["output_tok_s"], 3)
-    save("engine_overhead", result, smoke=smoke)
+    save(args.name, result, smoke=smoke)
     for key, value in result.items():
         print(f"{key:<18} {value}")
 
