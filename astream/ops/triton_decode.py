@@ -11,6 +11,7 @@ out = 0, lse = -inf, and a second kernel merges the partials.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -236,12 +237,22 @@ def choose_num_splits(batch: int, kv_heads: int, max_context_len: int,
 
     Depends only on host ints (and the device), so it is fixed for a captured graph.
     """
-    sm_count = DEFAULT_SM_COUNT
-    if device.type == "cuda":
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    sm_count = _sm_count(device.index) if device.type == "cuda" else DEFAULT_SM_COUNT
     by_length = -(-max(max_context_len, 1) // MIN_TOKENS_PER_SPLIT)
     by_occupancy = -(-PROGRAMS_PER_SM * sm_count // max(1, batch * kv_heads))
     return max(1, min(by_length, by_occupancy, MAX_SPLITS))
+
+
+# Asked once per device: an eager offload step launches the decode kernels twice a layer,
+# and each property lookup resolves the device in Python again.
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def _smem_per_sm(index: int | None) -> int:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_multiprocessor", 0)
 
 
 def _block_n(d_pad: int, elem_size: int, device: torch.device) -> int:
@@ -251,10 +262,8 @@ def _block_n(d_pad: int, elem_size: int, device: torch.device) -> int:
     part; 32 KB tiles only the big-smem data-center ones, where they ran 2-10% faster.
     """
     tile_bytes = 16 * 1024
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        if getattr(props, "shared_memory_per_multiprocessor", 0) >= BIG_SMEM_PER_SM:
-            tile_bytes = 32 * 1024
+    if device.type == "cuda" and _smem_per_sm(device.index) >= BIG_SMEM_PER_SM:
+        tile_bytes = 32 * 1024
     block_n = MAX_BLOCK_N
     while block_n > MIN_DOT_DIM and block_n * d_pad * elem_size > tile_bytes:
         block_n //= 2
