@@ -1,7 +1,8 @@
 """The attention kernels one engine uses, chosen once when it is built.
 
 `AttentionBackends.select(device, dtype, head_dim)` picks the varlen kernel (flash-attn,
-torch's bundled FlashAttention-2, or the torch reference) and the paged-decode kernel
+torch's bundled FlashAttention-2, or the torch reference), whether long single-sequence
+prefill parts go to cuDNN's attention instead (Hopper), and the paged-decode kernel
 (Triton or the reference) for the model's dtype and head size; the attention adapters
 call through it, so no layer or ring slot decides again.
 """
@@ -14,13 +15,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from astream.ops import attention_ref, flash, quest
+from astream.ops import attention_ref, cudnn_attention, flash, quest
 from astream.ops.attention import (
     HALF_DTYPES, merge_into_rows_ref, select_backend, select_decode_backend,
 )
 from astream.ops.varlen import VarlenMeta
 
 VarlenFn = Callable[..., tuple[Tensor, Tensor]]
+# Below this many queries a part is too small for cuDNN's lead over FlashAttention-2 to
+# pay for its extra launches (see docs/BENCHMARKS.md, prefill kernels).
+CUDNN_MIN_QUERIES = 2048
 KVScalesArg = tuple[Tensor, Tensor] | None      # (k, v) [KVH] float32 of a scaled (fp8) cache
 
 _VARLEN: dict[str, VarlenFn] = {
@@ -34,17 +38,24 @@ _VARLEN: dict[str, VarlenFn] = {
 class AttentionBackends:
     varlen_name: str                  # "flash_attn" | "torch_flash" | "reference"
     decode_name: str                  # "triton" | "reference"
+    cudnn_prefill: bool = False       # long one-sequence parts through cuDNN attention
 
     @classmethod
     def select(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> "AttentionBackends":
         varlen = select_backend(device)
         if dtype not in HALF_DTYPES or not flash.head_dim_supported(head_dim):
             varlen = "reference"
-        return cls(varlen, select_decode_backend(device))
+        cudnn = varlen != "reference" and cudnn_attention.cudnn_attention_available(device, head_dim)
+        return cls(varlen, select_decode_backend(device), cudnn)
 
     def varlen(self, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta, *, causal: bool,
                scale: float) -> tuple[Tensor, Tensor]:
         """q [Tq, H, D], k/v [Tk, KVH, D] -> out [Tq, H, D], lse [Tq, H] (maybe a transposed view)."""
+        if (self.cudnn_prefill and q.shape[0] >= CUDNN_MIN_QUERIES
+                and cudnn_attention.is_one_sequence(meta, q.shape[0])):
+            n_k = meta.host_cu_seqlens_k[1]
+            return cudnn_attention.one_sequence(cudnn_attention.cudnn_dense, self.merge_into_rows,
+                                                q, k[:n_k], v[:n_k], causal=causal, scale=scale)
         return _VARLEN[self.varlen_name](q, k, v, meta, causal=causal, scale=scale)
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

@@ -1,0 +1,102 @@
+"""Long prefill parts through cuDNN: the split of a chunk after its prefix into a prefix part
+and a causal square (CPU, with the reference as the dense kernel), the dispatch rule, and
+on a Hopper GPU the cuDNN path against the float32 reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from astream.executor.inputs import varlen_meta
+from astream.ops import cudnn_attention
+from astream.ops.attention import merge_into_rows_ref
+from astream.ops.attention_ref import varlen_attention_ref
+from astream.ops.backends import CUDNN_MIN_QUERIES, AttentionBackends
+
+HEADS, KV_HEADS, DIM = 8, 2, 32
+
+
+def random_qkv(n_q: int, n_k: int, device: str = "cpu", dtype=torch.float32, heads=HEADS,
+               kv_heads=KV_HEADS, dim=DIM):
+    gen = torch.Generator(device=device).manual_seed(n_q * 7919 + n_k)
+    make = lambda n, h: torch.randn(n, h, dim, device=device, dtype=dtype, generator=gen)  # noqa: E731
+    return make(n_q, heads), make(n_k, kv_heads), make(n_k, kv_heads)
+
+
+def dense_reference(q, k, v, *, causal, scale):
+    """A dense kernel with a top-left causal mask, as cuDNN's (the reference aligns bottom-right,
+    which is the same when the square has as many keys as queries)."""
+    assert not causal or q.shape[0] == k.shape[0]
+    meta = varlen_meta([0, q.shape[0]], [0, k.shape[0]], q.device)
+    return varlen_attention_ref(q, k, v, meta, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("n_q,prefix", [(37, 0), (37, 1), (40, 300), (1, 64)])
+def test_prefix_and_square_merge_to_bottom_right_causal(n_q, prefix):
+    q, k, v = random_qkv(n_q, prefix + n_q)
+    meta = varlen_meta([0, n_q], [0, prefix + n_q], q.device)
+    want_out, want_lse = varlen_attention_ref(q, k, v, meta, causal=True, scale=0.2)
+    out, lse = cudnn_attention.one_sequence(dense_reference, merge_into_rows_ref, q, k, v,
+                                            causal=True, scale=0.2)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_unmasked_part_is_one_dense_call():
+    q, k, v = random_qkv(20, 90)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["causal"])
+        return dense_reference(*args, **kwargs)
+
+    meta = varlen_meta([0, 20], [0, 90], q.device)
+    out, _ = cudnn_attention.one_sequence(counting, merge_into_rows_ref, q, k, v, causal=False, scale=0.3)
+    torch.testing.assert_close(out, varlen_attention_ref(q, k, v, meta, causal=False, scale=0.3)[0])
+    assert calls == [False]
+
+
+def test_fewer_keys_than_causal_queries_is_refused():
+    q, k, v = random_qkv(10, 4)
+    with pytest.raises(ValueError, match="10 queries over 4 keys"):
+        cudnn_attention.one_sequence(dense_reference, merge_into_rows_ref, q, k, v, causal=True, scale=1.0)
+
+
+def test_only_a_whole_single_sequence_qualifies():
+    device = torch.device("cpu")
+    assert cudnn_attention.is_one_sequence(varlen_meta([0, 50], [0, 80], device), 50)
+    assert not cudnn_attention.is_one_sequence(varlen_meta([0, 20, 50], [0, 30, 80], device), 50)
+    assert not cudnn_attention.is_one_sequence(varlen_meta([0, 40], [0, 80], device), 50)
+
+
+def test_cpu_never_takes_the_cudnn_path():
+    assert not AttentionBackends.select(torch.device("cpu"), torch.bfloat16, 128).cudnn_prefill
+    assert not cudnn_attention.cudnn_attention_available(torch.device("cpu"), 128)
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("n_q,prefix,causal,dim", [(CUDNN_MIN_QUERIES + 77, 0, True, 128),
+                                                   (CUDNN_MIN_QUERIES, 3001, True, 128),
+                                                   (CUDNN_MIN_QUERIES + 5, 4096, False, 128),
+                                                   (CUDNN_MIN_QUERIES + 9, 999, True, 64)])
+def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim):
+    backends = AttentionBackends.select(torch.device("cuda"), torch.bfloat16, dim)
+    assert backends.cudnn_prefill
+    n_k = prefix + (n_q if causal else 0)
+    q, k, v = random_qkv(n_q, n_k, "cuda", torch.bfloat16, heads=32, kv_heads=8, dim=dim)
+    meta = varlen_meta([0, n_q], [0, n_k], q.device)
+    out, lse = backends.varlen(q, k, v, meta, causal=causal, scale=dim ** -0.5)
+    want_out, want_lse = varlen_attention_ref(q.float(), k.float(), v.float(), meta, causal=causal,
+                                              scale=dim ** -0.5)
+    flash_out, _ = dataclasses.replace(backends, cudnn_prefill=False).varlen(
+        q, k, v, meta, causal=causal, scale=dim ** -0.5)
+    assert out.shape == want_out.shape and out.dtype == torch.bfloat16
+    err = (out.float() - want_out).abs().max().item()
+    assert err <= 2 * (flash_out.float() - want_out).abs().max().item() + 1e-3
+    assert (lse - want_lse).abs().max().item() < 1e-2
