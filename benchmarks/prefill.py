@@ -103,8 +103,6 @@ def kernel_speed(sets: dict, reps: int) -> list[dict]:
                          "ms_max": round(max(times), 3),
                          "tflops": round(flops(n_q, prefix, causal) / ms / 1e9, 1)})
             print(rows[-1], flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
     return rows
 
 
