@@ -23,14 +23,19 @@ from astream import LLM, SamplingParams
 
 def astream_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in work]
+    before = llm.stats()
     with Timer() as t:
         outs = llm.generate([prompt for prompt, _ in work], params)
+    after = llm.stats()
     produced = sum(len(o.token_ids) for o in outs)
     assert produced == sum(out for _, out in work), "a request stopped early"
     prompt_tokens = sum(len(p) for p, _ in work)
     return {"requests": len(work), "seconds": round(t.seconds, 3), "output_tokens": produced,
             "output_tok_s": round(produced / t.seconds, 1),
-            "total_tok_s": round((produced + prompt_tokens) / t.seconds, 1)}
+            "total_tok_s": round((produced + prompt_tokens) / t.seconds, 1),
+            "steps": after["steps"] - before["steps"],
+            "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+            "preemptions": after["preemptions"] - before["preemptions"]}
 
 
 def spread(values: list[float]) -> dict:
@@ -70,6 +75,8 @@ def main() -> None:
     parser.add_argument("--subset", type=int, default=16)
     parser.add_argument("--subset-max-out", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=1, help="runs of the workload on one engine")
+    parser.add_argument("--fresh-prompts", action="store_true",
+                        help="new random prompts every run (the prefix cache cannot serve a repeat)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers subset")
     parser.add_argument("--name", default="throughput", help="results file name")
     parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
@@ -92,7 +99,9 @@ def main() -> None:
         key = shape if len(kv_dtypes) == 1 else f"{shape}@{kv}"
         with LLM(str(folder), **kw) as llm:
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
-            runs = [astream_run(llm, work) for _ in range(args.repeat)]
+            runs = [astream_run(llm, random_workload(num, 100, 1024, 100, 1024, seed=rep)
+                                if args.fresh_prompts and rep and not args.smoke else work)
+                    for rep in range(args.repeat)]
             results[key] = {"astream": runs[len(runs) // 2] if args.repeat == 1 else
                             {**spread([r["output_tok_s"] for r in runs]), "runs": runs},
                             "astream_subset": astream_run(llm, subset),
