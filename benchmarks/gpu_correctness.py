@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", help="every GPU variant's KV dtype")
     parser.add_argument("--layer-kernels", default=None,
                         help="decoder kernels of every variant: reference | triton (default: the engine's)")
+    parser.add_argument("--only", default=None, help="run only these variants, e.g. gpu_bf16_graphs")
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=32)
     if args.reference:
@@ -107,6 +108,8 @@ def main() -> None:
     variants = {"gpu_bf16_graphs": {}, "gpu_bf16_eager": {"enforce_eager": True},
                 "gpu_bf16_offload": {"offload": True},
                 **{f"gpu_bf16_{name}": {**QUEST, **extra} for name, extra in QUEST_VARIANTS.items()}}
+    if args.only:
+        variants = {name: extra for name, extra in variants.items() if name in args.only.split(",")}
     results, tokens = {}, {}
     for name, extra in variants.items():
         with LLM(smollm2(), device=device, dtype=dtype, max_model_len=2048,
@@ -118,6 +121,9 @@ def main() -> None:
                 print("fused vs reference kernels:", results["fused_vs_reference_kernels"], flush=True)
             outs = llm.generate([r["prompt_ids"] for r in reference], params)
             graph_steps = llm.stats()["graph_steps"]
+            if name == "gpu_bf16_graphs":
+                results["graph_sampling"] = graph_sampling(llm, reference, [o.token_ids for o in outs])
+                print("sampling inside the graphs:", results["graph_sampling"], flush=True)
             results[name] = [{"identical": ref["tokens"] == out.token_ids, "text": out.text,
                               "divergence": divergence(llm, ref["prompt_ids"], ref["tokens"], out.token_ids)}
                              for ref, out in zip(reference, outs)]
@@ -128,13 +134,36 @@ def main() -> None:
             if r["divergence"]:
                 print("   ", r["divergence"], flush=True)
     # Quest at a budget below the context is not Full: its variants are compared with each other.
-    quest = [f"gpu_bf16_{name}" for name in QUEST_VARIANTS]
+    quest = [f"gpu_bf16_{name}" for name in QUEST_VARIANTS if f"gpu_bf16_{name}" in tokens]
     results["quest_agreement"] = {
         f"{a} vs {b}": sum(x == y for x, y in zip(tokens[a], tokens[b])) for a, b in zip(quest, quest[1:])}
     print("Quest, same tokens (of 5):", results["quest_agreement"], flush=True)
     kv = "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     kernels = f"_{args.layer_kernels}" if args.layer_kernels else ""
-    save(f"gpu_correctness{kv}{kernels}", results, smoke=args.smoke)
+    only = "_only" if args.only else ""
+    save(f"gpu_correctness{kv}{kernels}{only}", results, smoke=args.smoke)
+
+
+def graph_sampling(llm: LLM, reference: list[dict], greedy: list[list[int]]) -> dict:
+    """Temperature rows sample inside the graphs: near zero they give the greedy tokens, at 1.0
+    two runs differ (the generator advances with each replay); seeded rows (sampled on the
+    host) repeat exactly."""
+    prompts = [r["prompt_ids"] for r in reference]
+    before = llm.stats()["graph_steps"]
+    cold = llm.generate(prompts, SamplingParams(temperature=1e-4, max_tokens=32))
+    hot = [llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True))
+           for _ in range(2)]
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=32, ignore_eos=True)
+    again = [llm.generate(prompts, seeded) for _ in range(2)]
+    # bf16 logits tie often (one bf16 unit is 0.125 at 16-32): the argmax takes the lower id,
+    # sampling either, so a near-zero temperature may leave the greedy path only at a tie.
+    return {"near_zero_equals_greedy": sum(o.token_ids == g for o, g in zip(cold, greedy)),
+            "near_zero_first_divergences": [divergence(llm, r["prompt_ids"], g, o.token_ids)
+                                            for r, g, o in zip(reference, greedy, cold)
+                                            if o.token_ids != g],
+            "temperature_1_runs_differ": sum(a.token_ids != b.token_ids for a, b in zip(*hot)),
+            "seeded_repeat": sum(a.token_ids == b.token_ids for a, b in zip(*again)),
+            "graph_steps": llm.stats()["graph_steps"] - before}
 
 
 def use_kernels(llm: LLM, name: str) -> None:

@@ -28,7 +28,7 @@ def quest(dense_layers: int = 2) -> QuestPolicy:
 def with_static_graphs(llm: LLM, max_batch: int) -> OffloadDecodeGraphs:
     runner, plan = llm.core.runner, llm.core.plan
     runner.graphs = OffloadDecodeGraphs(
-        runner.decoder, runner.offload, runner.backends, runner.policy, max_batch=max_batch,
+        runner.decoder, runner.offload, runner.backends, runner.policy, runner.generator, max_batch=max_batch,
         max_blocks_per_seq=-(-plan.max_model_len // plan.block_size), max_context=plan.max_model_len)
     return runner.graphs
 

@@ -73,11 +73,12 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
                  max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
                  max_context=plan.max_model_len)
     if runner.offload is None:
-        graphs = DecodeGraphs(runner.decoder, runner.cache, runner.backends, runner.policy, **shape)
+        graphs = DecodeGraphs(runner.decoder, runner.cache, runner.backends, runner.policy,
+                              runner.generator, **shape)
     elif selects_everywhere(runner.policy, runner.offload, runner.decoder.config.num_layers,
                             plan.max_model_len):
         graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
-                                     runner.policy, **shape)
+                                     runner.policy, runner.generator, **shape)
     else:
         return None
     with torch.inference_mode():

@@ -1,20 +1,23 @@
-"""CUDA graphs for decode steps: one graph per captured batch size, padded to fit.
+"""CUDA graphs for decode steps: per captured batch size, one graph per sampling mode
+(executor.graph_sampling), padded to fit; the graph ends with the sampled ids.
 
 Padded rows write their K/V into the cache's scratch slot and attend to zero keys,
 so padding never touches real blocks. Replays read the static input buffers, so a
-step only copies its inputs into them and replays.
+step only copies its inputs into them and replays. An instance that was not captured
+runs the same static program eagerly (CPU, tests).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
+from astream.executor.graph_sampling import GraphSampler, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.offload_plan import OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention
+from astream.executor.sampler import SamplingBatch
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
@@ -30,22 +33,6 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def capture_graphs(max_batch: int, run_eager: Callable[[int], torch.Tensor], out: torch.Tensor,
-                   device: torch.device) -> dict[int, torch.cuda.CUDAGraph]:
-    """One graph per capture size, largest first, sharing one memory pool: each replay runs
-    `run_eager(size)` over the static buffers and leaves its result in out[:size]."""
-    graphs, pool = {}, torch.cuda.graph_pool_handle()
-    for size in sorted(capture_sizes(max_batch), reverse=True):
-        run_eager(size)                                 # warm up kernels (Triton compiles here)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out[:size] = run_eager(size)
-        graphs[size] = graph
-    torch.cuda.synchronize(device)
-    return graphs
-
-
 def padded_size(sizes, n: int) -> int:
     """The smallest captured size that holds n rows."""
     return min(s for s in sizes if s >= n)
@@ -57,14 +44,16 @@ class DecodeGraphs:
     cache: PagedKVCache
     backends: AttentionBackends
     policy: PolicyRuntime
+    generator: torch.Generator
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
-    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    steps: int = 0                       # steps replayed
+    sampler: GraphSampler | None = None
+    steps: int = 0                       # steps run from the static buffers
 
-    def capture(self) -> None:
+    def __post_init__(self) -> None:
         device = self.decoder.device
         b, m = self.max_batch, self.max_blocks_per_seq
         self.buffers = {
@@ -76,16 +65,23 @@ class DecodeGraphs:
             "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
                                   device=device),
         }
-        self.graphs = capture_graphs(self.max_batch, self._run_eager, self.buffers["hidden"], device)
+        self.sampler = GraphSampler.allocate(self.decoder, self.generator, b)
+
+    def capture(self) -> None:
+        self.graphs = capture_sampling_graphs(capture_sizes(self.max_batch), self._run_eager,
+                                              self.sampler, self.buffers["hidden"], self.decoder.device)
 
     def can_run(self, inputs: StepInputs, plan: OffloadStepPlan | None = None) -> bool:
         attn = inputs.attn
         return (attn.num_prefill_tokens == 0 and inputs.num_tokens <= self.max_batch
+                and inputs.sample_rows.shape[0] == inputs.num_tokens
                 and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None = None) -> torch.Tensor:
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None,
+            sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [n, H], the sampled ids [n], or None where the host samples)."""
         n = inputs.num_tokens
-        size = padded_size(self.graphs, n)
+        size = padded_size(capture_sizes(self.max_batch), n)
         buf, attn = self.buffers, inputs.attn
         buf["input_ids"][:n].copy_(inputs.input_ids)
         buf["positions"][:n].copy_(inputs.positions)
@@ -95,9 +91,9 @@ class DecodeGraphs:
         buf["tables"][:n, :width].copy_(attn.decode_block_tables)
         buf["lens"][:n].copy_(attn.decode_context_lens)
         buf["lens"][n:size].zero_()
-        self.graphs[size].replay()
+        ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, buf["hidden"])
         self.steps += 1
-        return buf["hidden"][:n]
+        return buf["hidden"][:n], ids
 
     def _run_eager(self, size: int) -> torch.Tensor:
         buf = self.buffers

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from astream.executor.cuda_graphs import capture_graphs, capture_sizes, padded_size
+from astream.executor.cuda_graphs import capture_sizes, padded_size
+from astream.executor.graph_sampling import GraphSampler, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.offload_attention import OffloadAttention
 from astream.executor.offload_plan import DecodeContext, OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention
+from astream.executor.sampler import SamplingBatch
 from astream.kvcache.offload_engine import NewKV, OffloadEngine
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
@@ -49,11 +51,13 @@ class OffloadDecodeGraphs:
     engine: OffloadEngine
     backends: AttentionBackends
     policy: PolicyRuntime
+    generator: torch.Generator
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
-    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    sampler: GraphSampler | None = None
     steps: int = 0                       # steps run from the static buffers
 
     def __post_init__(self) -> None:
@@ -75,6 +79,7 @@ class OffloadDecodeGraphs:
             "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
                                   device=device),
         }
+        self.sampler = GraphSampler.allocate(self.decoder, self.generator, b)
 
     @property
     def scratch_slot(self) -> int:
@@ -89,28 +94,28 @@ class OffloadDecodeGraphs:
     def capture(self) -> None:
         self.engine.settle()
         self._pad(0, self.max_batch)
-        self.graphs = capture_graphs(self.max_batch, self._run_eager, self.buffers["hidden"],
-                                     self.decoder.device)
+        self.graphs = capture_sampling_graphs(capture_sizes(self.max_batch), self._run_eager,
+                                              self.sampler, self.buffers["hidden"], self.decoder.device)
 
     def can_run(self, inputs: StepInputs, plan: OffloadStepPlan | None) -> bool:
         attn = inputs.attn
         return (plan is not None and attn.num_prefill_tokens == 0
                 and inputs.num_tokens <= self.max_batch
+                and inputs.sample_rows.shape[0] == inputs.num_tokens
                 and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs, plan: OffloadStepPlan) -> torch.Tensor:
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan,
+            sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [n, H], the sampled ids [n], or None where the host samples)."""
         n = inputs.num_tokens
         size = padded_size(capture_sizes(self.max_batch), n)
         self._fill(inputs, plan)
         self._pad(n, size)
         self.engine.wait_offloads()
-        if size in self.graphs:
-            self.graphs[size].replay()
-        else:
-            self.buffers["hidden"][:size] = self._run_eager(size)
+        ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, self.buffers["hidden"])
         self.engine.send_tails(self.sparse_layers, plan.new_kv.tails_to_host)
         self.steps += 1
-        return self.buffers["hidden"][:n]
+        return self.buffers["hidden"][:n], ids
 
     def _fill(self, inputs: StepInputs, plan: OffloadStepPlan) -> None:
         buf, attn, n = self.buffers, inputs.attn, inputs.num_tokens

@@ -113,20 +113,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def program(self, step: PreparedStep, previous: StepOutput | None) -> StepProgram:
-        """Enqueue the forward pass, the sampler and the readback of the sampled ids."""
+        """Enqueue the forward pass, the sampler (inside a decode step's graph where it can be)
+        and the readback of the sampled ids."""
         inputs = step.inputs
         if inputs.pending_dst is not None:
             if previous is None:
                 raise RuntimeError("a batch with pending tokens needs the previous step's output")
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
+        token_ids = None
         if self.graphs is not None and self.graphs.can_run(inputs, step.offload_plan):
-            hidden = self.graphs.run(inputs, step.offload_plan)
+            hidden, token_ids = self.graphs.run(inputs, step.offload_plan, step.sampling)
         elif step.offload_plan is not None:
             hidden = yield from self._offloaded_forward(step)
         else:
             hidden = yield from self._forward(inputs)
-        logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
-        token_ids = sample(logits, step.sampling, self.generator)
+        if token_ids is None:
+            logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
+            token_ids = sample(logits, step.sampling, self.generator)
         host_ids, ready = self.runtime.to_host(token_ids)
         offloaded = self.offload.pending_offloads() if self.offload is not None else []
         return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded)

@@ -1,0 +1,98 @@
+"""The end of a decode step inside its CUDA graph: logits and sampling, into static buffers.
+
+Each captured batch size has one graph per sampling mode:
+- "greedy": every row takes its argmax;
+- "temperature": rows sample at their temperature (greedy rows, temperature 0, take the
+  argmax), drawing from the engine's generator, which each graph registers so a replay
+  advances it as an eager step would.
+A step whose rows need top-k, top-p or a request seed (a generator per row, chosen on the
+host) replays the greedy graph for its hidden states and samples eagerly from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from astream.executor.sampler import SamplingBatch, sample
+from astream.models.decoder import Decoder
+
+GRAPH_MODES = ("greedy", "temperature")
+RunFn = Callable[[int], torch.Tensor]            # static program of `size` rows -> hidden
+
+
+def graph_mode(batch: SamplingBatch) -> str | None:
+    """The captured mode that samples this batch exactly as `sample` would, or None."""
+    if batch.all_greedy:
+        return "greedy"
+    if batch.top_k is None and batch.top_p is None and not batch.seeded_rows:
+        return "temperature"
+    return None
+
+
+@dataclass(slots=True)
+class GraphSampler:
+    decoder: Decoder
+    generator: torch.Generator
+    temperatures: torch.Tensor           # [B] float32, filled before each replay
+    token_ids: torch.Tensor              # [B] int64, written by the graph
+
+    @classmethod
+    def allocate(cls, decoder: Decoder, generator: torch.Generator, max_batch: int) -> "GraphSampler":
+        device = decoder.device
+        return cls(decoder, generator, torch.ones(max_batch, dtype=torch.float32, device=device),
+                   torch.zeros(max_batch, dtype=torch.int64, device=device))
+
+    def program(self, hidden: torch.Tensor, mode: str) -> None:
+        """Sample every row of hidden [size, H] into token_ids[:size] (what a graph captures)."""
+        size = hidden.shape[0]
+        logits = self.decoder.logits(hidden)
+        batch = SamplingBatch(temperatures=self.temperatures[:size], top_k=None, top_p=None,
+                              all_greedy=mode == "greedy", seeded_rows=[])
+        self.token_ids[:size] = sample(logits, batch, self.generator)
+
+    def fill(self, batch: SamplingBatch, n: int, size: int) -> None:
+        """This step's temperatures into rows :n; padding rows sample at temperature 1."""
+        self.temperatures[:n].copy_(batch.temperatures)
+        self.temperatures[n:size].fill_(1.0)
+
+
+def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler, out: torch.Tensor,
+                            device: torch.device) -> dict[tuple[str, int], torch.cuda.CUDAGraph]:
+    """One graph per (mode, size), largest first, sharing one memory pool: each replay runs
+    `run(size)` over the static buffers, leaves its hidden states in out[:size] and its
+    sampled ids in sampler.token_ids[:size]."""
+    graphs, pool = {}, torch.cuda.graph_pool_handle()
+    for size in sorted(sizes, reverse=True):
+        for mode in GRAPH_MODES:
+            hidden = run(size)                           # warm-up (Triton compiles, cuBLAS plans)
+            sampler.program(hidden, mode)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            graph.register_generator_state(sampler.generator)
+            with torch.cuda.graph(graph, pool=pool):
+                out[:size] = run(size)
+                sampler.program(out[:size], mode)
+            graphs[mode, size] = graph
+    torch.cuda.synchronize(device)
+    return graphs
+
+
+def replay(graphs: dict, size: int, n: int, batch: SamplingBatch, sampler: GraphSampler,
+           run: RunFn, out: torch.Tensor) -> torch.Tensor | None:
+    """Replay the step padded to `size` rows (where nothing was captured, run its program
+    eagerly: CPU, tests). Returns the n rows' sampled ids, or None where the host samples
+    from out[:n] (see `graph_mode`)."""
+    mode = graph_mode(batch)
+    sampler.fill(batch, n, size)
+    graph = graphs.get((mode or "greedy", size))
+    if graph is not None:
+        graph.replay()
+    else:
+        out[:size] = run(size)
+        if mode is not None:
+            sampler.program(out[:size], mode)
+    # A copy: the next replay overwrites the buffer while these ids may still be on their way out.
+    return None if mode is None else sampler.token_ids[:n].clone()
