@@ -56,11 +56,12 @@ class ListSink:
 
     items: list = field(default_factory=list)
     error: Exception | None = None
+    num_tokens: int = 0
 
     def token(self, token_id: int, text: str, finish_reason: str | None,
               error: str | None = None) -> bool:
-        index = sum(1 for item in self.items if isinstance(item, StreamToken))
-        self.items.append(StreamToken("", index, token_id, text, finish_reason, error))
+        self.items.append(StreamToken("", self.num_tokens, token_id, text, finish_reason, error))
+        self.num_tokens += 1
         return True
 
     def progress(self, prefilled: int, total: int) -> None:

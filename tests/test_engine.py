@@ -205,3 +205,15 @@ async def test_a_crashing_stage_stops_the_engine_cleanly(monkeypatch):
         assert "bug in output processing" in engine.stats()["fault"]
         with pytest.raises(EngineClosedError):
             await engine.generate("again")
+
+
+def test_list_sink_numbers_tokens_in_order_around_progress():
+    from astream.request import ListSink
+
+    sink = ListSink()
+    sink.token(5, "a", None)
+    sink.progress(10, 20)
+    sink.token(6, "b", None)
+    sink.token(7, "", "length")
+    assert [(t.index, t.token_id) for t in sink.tokens] == [(0, 5), (1, 6), (2, 7)]
+    assert sink.num_tokens == 3
