@@ -64,11 +64,33 @@ def test_fewer_keys_than_causal_queries_is_refused():
         cudnn_attention.one_sequence(dense_reference, merge_into_rows_ref, q, k, v, causal=True, scale=1.0)
 
 
-def test_only_a_whole_single_sequence_qualifies():
-    device = torch.device("cpu")
-    assert cudnn_attention.is_one_sequence(varlen_meta([0, 50], [0, 80], device), 50)
-    assert not cudnn_attention.is_one_sequence(varlen_meta([0, 20, 50], [0, 30, 80], device), 50)
-    assert not cudnn_attention.is_one_sequence(varlen_meta([0, 40], [0, 80], device), 50)
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_packed_batch_goes_one_sequence_at_a_time(causal):
+    lens_q, lens_k = [50, 7, 64, 3], ([80, 7, 64, 9] if causal else [30, 12, 70, 5])
+    cu_q, cu_k = [0], [0]
+    for lq, lk in zip(lens_q, lens_k):
+        cu_q.append(cu_q[-1] + lq)
+        cu_k.append(cu_k[-1] + lk)
+    q, k, v = random_qkv(cu_q[-1], cu_k[-1])
+    meta = varlen_meta(cu_q, cu_k, q.device)
+    taken = []
+
+    def long_part(q, k, v, one):
+        taken.append(("long", q.shape[0], k.shape[0]))
+        return cudnn_attention.one_sequence(dense_reference, merge_into_rows_ref, q, k, v,
+                                            causal=causal, scale=0.25)
+
+    def short_part(q, k, v, one):
+        taken.append(("short", q.shape[0], k.shape[0]))
+        assert one.host_cu_seqlens_q == [0, q.shape[0]] and one.cu_seqlens_k.tolist() == [0, k.shape[0]]
+        return varlen_attention_ref(q, k, v, one, causal=causal, scale=0.25)
+
+    out, lse = cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta, min_queries=50)
+    want_out, want_lse = varlen_attention_ref(q, k, v, meta, causal=causal, scale=0.25)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert [t[0] for t in taken] == ["long", "short", "long", "short"]
+    assert [t[1:] for t in taken] == list(zip(lens_q, lens_k))
 
 
 def test_cpu_never_takes_the_cudnn_path():
@@ -99,4 +121,17 @@ def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim):
     assert out.shape == want_out.shape and out.dtype == torch.bfloat16
     err = (out.float() - want_out).abs().max().item()
     assert err <= 2 * (flash_out.float() - want_out).abs().max().item() + 1e-3
+    assert (lse - want_lse).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_packed_batch_with_a_long_sequence_matches_reference_on_gpu():
+    backends = AttentionBackends.select(torch.device("cuda"), torch.bfloat16, 128)
+    cu_q, cu_k = [0, 300, 300 + CUDNN_MIN_QUERIES + 50], [0, 700, 700 + CUDNN_MIN_QUERIES + 1050]
+    q, k, v = random_qkv(cu_q[-1], cu_k[-1], "cuda", torch.bfloat16, heads=32, kv_heads=8, dim=128)
+    meta = varlen_meta(cu_q, cu_k, q.device)
+    out, lse = backends.varlen(q, k, v, meta, causal=True, scale=128 ** -0.5)
+    want_out, want_lse = varlen_attention_ref(q.float(), k.float(), v.float(), meta, causal=True,
+                                              scale=128 ** -0.5)
+    assert (out.float() - want_out).abs().max().item() < 2e-2 * want_out.abs().max().item()
     assert (lse - want_lse).abs().max().item() < 1e-2

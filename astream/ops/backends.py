@@ -22,8 +22,8 @@ from astream.ops.attention import (
 from astream.ops.varlen import VarlenMeta
 
 VarlenFn = Callable[..., tuple[Tensor, Tensor]]
-# Below this many queries a part is too small for cuDNN's lead over FlashAttention-2 to
-# pay for its extra launches (see docs/BENCHMARKS.md, prefill kernels).
+# A sequence with fewer queries in a part keeps FlashAttention-2: too small for cuDNN's lead
+# to pay for its extra launches (see docs/BENCHMARKS.md, prefill kernels).
 CUDNN_MIN_QUERIES = 2048
 KVScalesArg = tuple[Tensor, Tensor] | None      # (k, v) [KVH] float32 of a scaled (fp8) cache
 
@@ -51,12 +51,19 @@ class AttentionBackends:
     def varlen(self, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta, *, causal: bool,
                scale: float) -> tuple[Tensor, Tensor]:
         """q [Tq, H, D], k/v [Tk, KVH, D] -> out [Tq, H, D], lse [Tq, H] (maybe a transposed view)."""
-        if (self.cudnn_prefill and q.shape[0] >= CUDNN_MIN_QUERIES
-                and cudnn_attention.is_one_sequence(meta, q.shape[0])):
-            n_k = meta.host_cu_seqlens_k[1]
+        flash = _VARLEN[self.varlen_name]
+        if not self.cudnn_prefill or meta.max_seqlen_q < CUDNN_MIN_QUERIES:
+            return flash(q, k, v, meta, causal=causal, scale=scale)
+
+        def long_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
             return cudnn_attention.one_sequence(cudnn_attention.cudnn_dense, self.merge_into_rows,
-                                                q, k[:n_k], v[:n_k], causal=causal, scale=scale)
-        return _VARLEN[self.varlen_name](q, k, v, meta, causal=causal, scale=scale)
+                                                q, k, v, causal=causal, scale=scale)
+
+        def short_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
+            return flash(q, k, v, one, causal=causal, scale=scale)
+
+        return cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta,
+                                           min_queries=CUDNN_MIN_QUERIES)
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                      context_lens: Tensor, *, scale: float, max_context_len: int,

@@ -27,6 +27,7 @@ CUDNN_MAX_HEAD_DIM = 128
 
 DenseFn = Callable[..., tuple[Tensor, Tensor]]
 MergeFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+PartFn = Callable[[Tensor, Tensor, Tensor, VarlenMeta], tuple[Tensor, Tensor]]
 
 
 @functools.cache
@@ -78,6 +79,22 @@ def one_sequence(dense: DenseFn, merge: MergeFn, q: Tensor, k: Tensor, v: Tensor
     return merge(out, lse.contiguous(), rows, square_out, square_lse)
 
 
-def is_one_sequence(meta: VarlenMeta, num_queries: int) -> bool:
-    """True if the packed batch is one sequence whose queries are all `num_queries` rows."""
-    return len(meta.host_cu_seqlens_q) == 2 and meta.host_cu_seqlens_q[1] == num_queries
+def by_sequence(long_part: PartFn, short_part: PartFn, q: Tensor, k: Tensor, v: Tensor,
+                meta: VarlenMeta, *, min_queries: int) -> tuple[Tensor, Tensor]:
+    """A packed batch one sequence at a time: sequences of at least `min_queries` queries
+    through long_part, the others through short_part, each given its rows and a one-sequence
+    meta (device offsets sliced from the batch's, so nothing waits on a copy)."""
+    cu_q, cu_k = meta.host_cu_seqlens_q, meta.host_cu_seqlens_k
+    if len(cu_q) == 2:
+        part = long_part if cu_q[1] >= min_queries else short_part
+        return part(q, k[:cu_k[1]], v[:cu_k[1]], meta)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for s in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
+        one = VarlenMeta(meta.cu_seqlens_q[s:s + 2] - meta.cu_seqlens_q[s],
+                         meta.cu_seqlens_k[s:s + 2] - meta.cu_seqlens_k[s],
+                         q1 - q0, k1 - k0, [0, q1 - q0], [0, k1 - k0])
+        part = long_part if q1 - q0 >= min_queries else short_part
+        out[q0:q1], lse[q0:q1] = part(q[q0:q1], k[k0:k1], v[k0:k1], one)
+    return out, lse
