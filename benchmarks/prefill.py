@@ -27,6 +27,7 @@ from common import percentile, save, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.executor.inputs import varlen_meta
+from astream.ops import cudnn_attention
 from astream.ops.attention_ref import varlen_attention_ref
 from astream.ops.backends import AttentionBackends
 from astream.sampling import SamplingParams
@@ -34,6 +35,9 @@ from astream.sampling import SamplingParams
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (queries, prefix keys, causal): the square of a chunk, a chunk over a prefix, both at once.
 ERROR_CASES = [(3000, 0, True), (2048, 5000, False), (2500, 1000, True), (4096, 0, True)]
+# Where cuDNN starts to pay (ops.backends.CUDNN_MIN_QUERIES): --small.
+SMALL_CASES = [(512, 0, True), (1024, 0, True), (2048, 0, True), (4096, 0, True),
+               (1024, 4096, False), (2048, 8192, False)]
 SPEED_CASES = [(8192, 0, True), (16384, 0, True), (32768, 0, True), (16384, 16384, False),
                (16384, 65536, False), (16384, 114688, False), (16384, 114688, True)]
 
@@ -90,13 +94,22 @@ def time_ms(fn, reps: int) -> list[float]:
     return times
 
 
-def kernel_speed(sets: dict, reps: int) -> list[dict]:
+def part(name: str, backends: AttentionBackends, q, k, v, meta, causal: bool):
+    """One prefill part on the named kernels; cuDNN whatever the part's size (below the
+    engine's CUDNN_MIN_QUERIES too, to find where it starts to pay)."""
+    scale = HEAD_DIM ** -0.5
+    if name == "cudnn":
+        return cudnn_attention.one_sequence(cudnn_attention.cudnn_dense, backends.merge_into_rows,
+                                            q, k, v, causal=causal, scale=scale)
+    return backends.varlen(q, k, v, meta, causal=causal, scale=scale)
+
+
+def kernel_speed(sets: dict, reps: int, cases: list) -> list[dict]:
     rows = []
-    for i, (n_q, prefix, causal) in enumerate(SPEED_CASES):
+    for i, (n_q, prefix, causal) in enumerate(cases):
         q, k, v, meta = inputs(n_q, prefix, causal, "cuda", torch.bfloat16, seed=100 + i)
         for name, backends in sets.items():
-            times = time_ms(lambda: backends.varlen(q, k, v, meta, causal=causal,
-                                                    scale=HEAD_DIM ** -0.5), reps)
+            times = time_ms(lambda: part(name, backends, q, k, v, meta, causal), reps)
             ms = percentile(times, 50)
             rows.append({"queries": n_q, "prefix": prefix, "causal": causal, "kernels": name,
                          "ms_min": round(min(times), 3), "ms": round(ms, 3),
@@ -155,6 +168,7 @@ def main() -> None:
     parser.add_argument("--offload", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5, help="timed calls per kernel case")
+    parser.add_argument("--small", action="store_true", help="kernels: the small parts (threshold)")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
     parser.add_argument("--name", default="prefill")
     args = parser.parse_args()
@@ -165,7 +179,7 @@ def main() -> None:
         sets = kernel_sets(device)
         results["kernel_errors"] = kernel_errors(device, sets, args.smoke)
         if not args.smoke:
-            results["kernel_speed"] = kernel_speed(sets, args.reps)
+            results["kernel_speed"] = kernel_speed(sets, args.reps, SMALL_CASES if args.small else SPEED_CASES)
         save(args.name, results, smoke=args.smoke)
     if "engine" in sections:
         shape, contexts = ("tiny", [512]) if args.smoke else ("qwen3-4b", [int(c) for c in args.contexts.split(",")])

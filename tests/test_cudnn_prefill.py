@@ -13,7 +13,7 @@ from astream.executor.inputs import varlen_meta
 from astream.ops import cudnn_attention
 from astream.ops.attention import merge_into_rows_ref
 from astream.ops.attention_ref import varlen_attention_ref
-from astream.ops.backends import CUDNN_MIN_QUERIES, AttentionBackends
+from astream.ops.backends import CUDNN_MIN_QUERIES, CUDNN_SHAPE_STEP, AttentionBackends, takes_cudnn
 
 HEADS, KV_HEADS, DIM = 8, 2, 32
 
@@ -85,12 +85,21 @@ def test_a_packed_batch_goes_one_sequence_at_a_time(causal):
         assert one.host_cu_seqlens_q == [0, q.shape[0]] and one.cu_seqlens_k.tolist() == [0, k.shape[0]]
         return varlen_attention_ref(q, k, v, one, causal=causal, scale=0.25)
 
-    out, lse = cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta, min_queries=50)
+    out, lse = cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta,
+                                           takes_long=lambda n_q, n_k: n_q >= 50)
     want_out, want_lse = varlen_attention_ref(q, k, v, meta, causal=causal, scale=0.25)
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     assert [t[0] for t in taken] == ["long", "short", "long", "short"]
     assert [t[1:] for t in taken] == list(zip(lens_q, lens_k))
+
+
+def test_only_long_parts_of_repeating_shapes_take_cudnn():
+    step = CUDNN_SHAPE_STEP
+    assert takes_cudnn(16 * step, 16 * step) and takes_cudnn(16 * step, 112 * step)
+    assert not takes_cudnn(CUDNN_MIN_QUERIES - step, 16 * step)      # too short
+    assert not takes_cudnn(16 * step + 7, 16 * step + 7)             # a ragged last chunk
+    assert not takes_cudnn(16 * step, 16 * step + 300)               # a ragged prefix
 
 
 def test_cpu_never_takes_the_cudnn_path():
@@ -103,13 +112,17 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("n_q,prefix,causal,dim", [(CUDNN_MIN_QUERIES + 77, 0, True, 128),
-                                                   (CUDNN_MIN_QUERIES, 3001, True, 128),
-                                                   (CUDNN_MIN_QUERIES + 5, 4096, False, 128),
-                                                   (CUDNN_MIN_QUERIES + 9, 999, True, 64)])
-def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim):
+@pytest.mark.parametrize("n_q,prefix,causal,dim", [(CUDNN_MIN_QUERIES + 1024, 0, True, 128),
+                                                   (CUDNN_MIN_QUERIES, 3072, True, 128),
+                                                   (CUDNN_MIN_QUERIES, 4096, False, 128),
+                                                   (CUDNN_MIN_QUERIES + 77, 999, True, 128),
+                                                   (CUDNN_MIN_QUERIES, 1024, True, 64)])
+def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim, monkeypatch):
     backends = AttentionBackends.select(torch.device("cuda"), torch.bfloat16, dim)
     assert backends.cudnn_prefill
+    calls = []
+    real = cudnn_attention.cudnn_dense
+    monkeypatch.setattr(cudnn_attention, "cudnn_dense", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     n_k = prefix + (n_q if causal else 0)
     q, k, v = random_qkv(n_q, n_k, "cuda", torch.bfloat16, heads=32, kv_heads=8, dim=dim)
     meta = varlen_meta([0, n_q], [0, n_k], q.device)
@@ -119,6 +132,7 @@ def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim):
     flash_out, _ = dataclasses.replace(backends, cudnn_prefill=False).varlen(
         q, k, v, meta, causal=causal, scale=dim ** -0.5)
     assert out.shape == want_out.shape and out.dtype == torch.bfloat16
+    assert bool(calls) == takes_cudnn(n_q, n_k)
     err = (out.float() - want_out).abs().max().item()
     assert err <= 2 * (flash_out.float() - want_out).abs().max().item() + 1e-3
     assert (lse - want_lse).abs().max().item() < 1e-2
@@ -127,7 +141,7 @@ def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 def test_packed_batch_with_a_long_sequence_matches_reference_on_gpu():
     backends = AttentionBackends.select(torch.device("cuda"), torch.bfloat16, 128)
-    cu_q, cu_k = [0, 300, 300 + CUDNN_MIN_QUERIES + 50], [0, 700, 700 + CUDNN_MIN_QUERIES + 1050]
+    cu_q, cu_k = [0, 300, 300 + CUDNN_MIN_QUERIES], [0, 700, 700 + CUDNN_MIN_QUERIES + 1024]
     q, k, v = random_qkv(cu_q[-1], cu_k[-1], "cuda", torch.bfloat16, heads=32, kv_heads=8, dim=128)
     meta = varlen_meta(cu_q, cu_k, q.device)
     out, lse = backends.varlen(q, k, v, meta, causal=True, scale=128 ** -0.5)

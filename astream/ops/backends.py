@@ -25,6 +25,16 @@ VarlenFn = Callable[..., tuple[Tensor, Tensor]]
 # A sequence with fewer queries in a part keeps FlashAttention-2: too small for cuDNN's lead
 # to pay for its extra launches (see docs/BENCHMARKS.md, prefill kernels).
 CUDNN_MIN_QUERIES = 2048
+# cuDNN builds an execution plan for every new (queries, keys) shape, 70 ms to over a second
+# on the H100, so only parts whose lengths are multiples of this go to it: the full chunks
+# of a chunked prefill and their chunk-aligned prefixes, a few shapes that repeat across
+# prompts. A prompt's ragged last chunk keeps FlashAttention-2.
+CUDNN_SHAPE_STEP = 1024
+
+
+def takes_cudnn(num_queries: int, num_keys: int) -> bool:
+    return (num_queries >= CUDNN_MIN_QUERIES and num_queries % CUDNN_SHAPE_STEP == 0
+            and num_keys % CUDNN_SHAPE_STEP == 0)
 KVScalesArg = tuple[Tensor, Tensor] | None      # (k, v) [KVH] float32 of a scaled (fp8) cache
 
 _VARLEN: dict[str, VarlenFn] = {
@@ -63,7 +73,7 @@ class AttentionBackends:
             return flash(q, k, v, one, causal=causal, scale=scale)
 
         return cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta,
-                                           min_queries=CUDNN_MIN_QUERIES)
+                                           takes_long=takes_cudnn)
 
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                      context_lens: Tensor, *, scale: float, max_context_len: int,

@@ -80,13 +80,13 @@ def one_sequence(dense: DenseFn, merge: MergeFn, q: Tensor, k: Tensor, v: Tensor
 
 
 def by_sequence(long_part: PartFn, short_part: PartFn, q: Tensor, k: Tensor, v: Tensor,
-                meta: VarlenMeta, *, min_queries: int) -> tuple[Tensor, Tensor]:
-    """A packed batch one sequence at a time: sequences of at least `min_queries` queries
-    through long_part, the others through short_part, each given its rows and a one-sequence
-    meta (device offsets sliced from the batch's, so nothing waits on a copy)."""
+                meta: VarlenMeta, *, takes_long: Callable[[int, int], bool]) -> tuple[Tensor, Tensor]:
+    """A packed batch one sequence at a time: sequences whose (queries, keys) `takes_long`
+    accepts through long_part, the others through short_part, each given its rows and a
+    one-sequence meta (device offsets sliced from the batch's, so nothing waits on a copy)."""
     cu_q, cu_k = meta.host_cu_seqlens_q, meta.host_cu_seqlens_k
     if len(cu_q) == 2:
-        part = long_part if cu_q[1] >= min_queries else short_part
+        part = long_part if takes_long(cu_q[1], cu_k[1]) else short_part
         return part(q, k[:cu_k[1]], v[:cu_k[1]], meta)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
@@ -95,6 +95,6 @@ def by_sequence(long_part: PartFn, short_part: PartFn, q: Tensor, k: Tensor, v: 
         one = VarlenMeta(meta.cu_seqlens_q[s:s + 2] - meta.cu_seqlens_q[s],
                          meta.cu_seqlens_k[s:s + 2] - meta.cu_seqlens_k[s],
                          q1 - q0, k1 - k0, [0, q1 - q0], [0, k1 - k0])
-        part = long_part if q1 - q0 >= min_queries else short_part
+        part = long_part if takes_long(q1 - q0, k1 - k0) else short_part
         out[q0:q1], lse[q0:q1] = part(q[q0:q1], k[k0:k1], v[k0:k1], one)
     return out, lse
