@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass, field
 
 from astream.config import EngineConfig
@@ -19,6 +20,7 @@ from astream.kvcache.sizing import CachePlan, CacheSpec, check_max_model_len, pl
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
+from astream.ops.backends import CUDNN_SHAPE_STEP
 from astream.policies import SparsePolicy, make_policy
 from astream.request import ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
@@ -62,12 +64,13 @@ class EngineCore:
                                        dtype.itemsize / fmt.element_size)
         spec = _cache_spec(config, overhead, policy.sparse_prefill)
         plan = plan_cache(spec, model.decoder.config, dtype, device, fmt.dtype)   # after the weights
-        scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
-                            align_chunks_to=plan.block_size if config.offload else 1),
-            BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         runtime = DeviceRuntime(device)
         runner = build_runner(config, plan, model.decoder, runtime, policy, fmt)
+        align = plan.block_size if config.offload else 1
+        scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
+                            align_chunks_to=align, prefer_chunks_of=_chunk_step(runner, align)),
+            BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         eos = stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids)
         log.info("astream: %s on %s (%s), %d KV blocks of %d tokens (%s)%s, max_model_len %d, "
                  "attention %s", path.name, device, dtype, plan.num_blocks, plan.block_size,
@@ -283,6 +286,15 @@ class EngineCore:
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_device_layers": sorted(engine.device_layers),
                 "offload_bytes_offloaded": engine.bytes_offloaded}
+
+
+def _chunk_step(runner: ModelRunner, align: int) -> int:
+    """Where prefill chunks should end: cuDNN prefill takes only parts of repeating shapes
+    (multiples of CUDNN_SHAPE_STEP), so a chunk cut by a busy step's leftover budget would
+    leave the rest of its prompt on the slower kernel."""
+    if not runner.backends.cudnn_prefill:
+        return align
+    return math.lcm(align, CUDNN_SHAPE_STEP)
 
 
 def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool,

@@ -31,6 +31,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     align_chunks_to: int = 1       # unfinished prefill chunks end on multiples of this
+    prefer_chunks_of: int = 1      # ...and on multiples of this where the budget allows
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -269,8 +270,11 @@ class Scheduler:
         start, left = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
         if left <= budget:
             return left
-        align = self.config.align_chunks_to
-        return (start + budget) // align * align - start
+        for align in (self.config.prefer_chunks_of, self.config.align_chunks_to):
+            n = (start + budget) // align * align - start
+            if n > 0:
+                return n
+        return 0
 
     def _take(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens

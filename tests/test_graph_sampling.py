@@ -10,7 +10,7 @@ import torch
 
 from astream import LLM, SamplingParams
 from astream.executor.cuda_graphs import DecodeGraphs
-from astream.executor.graph_sampling import GraphSampler, graph_mode
+from astream.executor.graph_sampling import graph_mode
 from astream.executor.sampler import SamplingBatch
 
 KW = dict(device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=4)
@@ -61,6 +61,7 @@ def test_greedy_steps_sample_inside_and_match_the_eager_engine(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     eager, static, graphs = eager_then_static(llm, PROMPTS, params)
     assert graphs.steps >= 11                        # every pure decode step ran the static program
+    assert graphs.sampler.sampled_inside == graphs.steps
     assert static == eager
     assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
 
@@ -76,7 +77,18 @@ def test_near_zero_temperature_samples_inside_and_picks_the_argmax(llm):
             temperature=1e-4, max_tokens=10, ignore_eos=True))]
     finally:
         llm.core.runner.graphs = None
-    assert graphs.steps >= 9 and isinstance(graphs.sampler, GraphSampler)
+    assert graphs.steps >= 9 and graphs.sampler.sampled_inside == graphs.steps
+    assert static == greedy
+
+
+def test_greedy_and_temperature_rows_in_one_batch_sample_inside(llm):
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=1e-4, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    greedy, _, _ = eager_then_static(llm, PROMPTS, SamplingParams(temperature=0, max_tokens=10,
+                                                                  ignore_eos=True))
+    _, static, graphs = eager_then_static(llm, PROMPTS, params)
+    assert graphs.steps >= 9 and graphs.sampler.sampled_inside == graphs.steps
     assert static == greedy
 
 
@@ -85,13 +97,14 @@ def test_top_p_and_seeded_rows_fall_back_to_the_host_sampler(llm):
               SamplingParams(temperature=0.8, seed=11, max_tokens=10, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
     eager, static, graphs = eager_then_static(llm, PROMPTS, params)
-    assert graphs.steps >= 9
+    assert graphs.steps >= 9 and graphs.sampler.sampled_inside == 0
     assert static == eager                           # seeded rows: the same generator per row
 
 
 def test_sampled_temperature_tokens_are_valid_and_vary(llm):
     params = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True)
-    _, static, _ = eager_then_static(llm, [PROMPTS[0]] * 3, params)
+    _, static, graphs = eager_then_static(llm, [PROMPTS[0]] * 3, params)
+    assert graphs.sampler.sampled_inside == graphs.steps >= 7
     vocab = llm.core.runner.decoder.config.vocab_size
     assert all(len(t) == 8 and all(0 <= i < vocab for i in t) for t in static)
     assert len({tuple(t) for t in static}) > 1       # three draws at temperature 1.5 differ

@@ -120,6 +120,30 @@ def test_chunked_prefill_respects_token_budget():
     assert batch.items[0].sample
 
 
+def test_prefill_chunks_prefer_their_step_and_fall_back_to_the_hard_alignment():
+    # A decode row leaves 15 of the 16-token budget: the prompt's chunk is cut back to 8
+    # (the preferred step) rather than 15, so its prefill parts keep repeating shapes.
+    config = SchedulerConfig(4, 16, 256, align_chunks_to=4, prefer_chunks_of=8)
+    sched = Scheduler(config, BlockManager(128, 4))
+    running = seq("r", [1, 2, 3])
+    sched.add(running)
+    fake_sample(sched, sched.schedule())
+    long = seq("l", list(range(40)), arrival=1)
+    sched.add(long)
+    chunks = []
+    while long.num_computed_tokens < 40:
+        batch = sched.schedule()
+        chunks += [item.num_tokens for item in batch.items if item.seq is long]
+        fake_sample(sched, batch)
+    assert chunks == [8, 8, 8, 8, 8]
+    # A budget below the preferred step still moves, on the hard alignment.
+    tight = Scheduler(SchedulerConfig(1, 6, 256, align_chunks_to=2, prefer_chunks_of=8),
+                      BlockManager(128, 4))
+    alone = seq("t", list(range(20)))
+    tight.add(alone)
+    assert tight.schedule().items[0].num_tokens == 6
+
+
 def test_running_sequences_decode_before_new_prefills():
     sched = make_scheduler(blocks=64, budget=6, max_seqs=4)
     a = seq("a", [1, 2, 3], 0)

@@ -38,6 +38,7 @@ class GraphSampler:
     generator: torch.Generator
     temperatures: torch.Tensor           # [B] float32, filled before each replay
     token_ids: torch.Tensor              # [B] int64, written by the graph
+    sampled_inside: int = 0              # steps whose ids came from the static program
 
     @classmethod
     def allocate(cls, decoder: Decoder, generator: torch.Generator, max_batch: int) -> "GraphSampler":
@@ -64,14 +65,18 @@ def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler,
     """One graph per (mode, size), largest first, sharing one memory pool: each replay runs
     `run(size)` over the static buffers, leaves its hidden states in out[:size] and its
     sampled ids in sampler.token_ids[:size]."""
+    # A torch without graph-safe custom generators captures greedy only; the rest samples on the host.
+    modes = GRAPH_MODES if hasattr(torch.cuda.CUDAGraph, "register_generator_state") else ("greedy",)
     graphs, pool = {}, torch.cuda.graph_pool_handle()
     for size in sorted(sizes, reverse=True):
-        for mode in GRAPH_MODES:
-            hidden = run(size)                           # warm-up (Triton compiles, cuBLAS plans)
+        hidden = run(size)                               # warm-up (Triton compiles, cuBLAS plans)
+        for mode in modes:
             sampler.program(hidden, mode)
-            torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)
+        for mode in modes:
             graph = torch.cuda.CUDAGraph()
-            graph.register_generator_state(sampler.generator)
+            if mode != "greedy":
+                graph.register_generator_state(sampler.generator)
             with torch.cuda.graph(graph, pool=pool):
                 out[:size] = run(size)
                 sampler.program(out[:size], mode)
@@ -86,6 +91,8 @@ def replay(graphs: dict, size: int, n: int, batch: SamplingBatch, sampler: Graph
     eagerly: CPU, tests). Returns the n rows' sampled ids, or None where the host samples
     from out[:n] (see `graph_mode`)."""
     mode = graph_mode(batch)
+    if graphs and (mode, size) not in graphs:
+        mode = None                                      # not captured: the host samples
     sampler.fill(batch, n, size)
     graph = graphs.get((mode or "greedy", size))
     if graph is not None:
@@ -94,5 +101,9 @@ def replay(graphs: dict, size: int, n: int, batch: SamplingBatch, sampler: Graph
         out[:size] = run(size)
         if mode is not None:
             sampler.program(out[:size], mode)
-    # A copy: the next replay overwrites the buffer while these ids may still be on their way out.
-    return None if mode is None else sampler.token_ids[:n].clone()
+    if mode is None:
+        return None
+    sampler.sampled_inside += 1
+    # A copy, not a view of the buffer the next step writes: on the CPU the host copy of
+    # these ids is the tensor itself.
+    return sampler.token_ids[:n].clone()

@@ -61,16 +61,16 @@ class AttentionBackends:
     def varlen(self, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta, *, causal: bool,
                scale: float) -> tuple[Tensor, Tensor]:
         """q [Tq, H, D], k/v [Tk, KVH, D] -> out [Tq, H, D], lse [Tq, H] (maybe a transposed view)."""
-        flash = _VARLEN[self.varlen_name]
+        kernel = _VARLEN[self.varlen_name]
         if not self.cudnn_prefill or meta.max_seqlen_q < CUDNN_MIN_QUERIES:
-            return flash(q, k, v, meta, causal=causal, scale=scale)
+            return kernel(q, k, v, meta, causal=causal, scale=scale)
 
         def long_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
             return cudnn_attention.one_sequence(cudnn_attention.cudnn_dense, self.merge_into_rows,
                                                 q, k, v, causal=causal, scale=scale)
 
         def short_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
-            return flash(q, k, v, one, causal=causal, scale=scale)
+            return kernel(q, k, v, one, causal=causal, scale=scale)
 
         return cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta,
                                            takes_long=takes_cudnn)
