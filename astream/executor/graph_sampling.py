@@ -93,7 +93,8 @@ def replay(graphs: dict, size: int, n: int, batch: SamplingBatch, sampler: Graph
     mode = graph_mode(batch)
     if graphs and (mode, size) not in graphs:
         mode = None                                      # not captured: the host samples
-    sampler.fill(batch, n, size)
+    if mode == "temperature":                            # the only program that reads them
+        sampler.fill(batch, n, size)
     graph = graphs.get((mode or "greedy", size))
     if graph is not None:
         graph.replay()
