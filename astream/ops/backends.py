@@ -30,11 +30,6 @@ CUDNN_MIN_QUERIES = 2048
 # of a chunked prefill and their chunk-aligned prefixes, a few shapes that repeat across
 # prompts. A prompt's ragged last chunk keeps FlashAttention-2.
 CUDNN_SHAPE_STEP = 1024
-
-
-def takes_cudnn(num_queries: int, num_keys: int) -> bool:
-    return (num_queries >= CUDNN_MIN_QUERIES and num_queries % CUDNN_SHAPE_STEP == 0
-            and num_keys % CUDNN_SHAPE_STEP == 0)
 KVScalesArg = tuple[Tensor, Tensor] | None      # (k, v) [KVH] float32 of a scaled (fp8) cache
 
 _VARLEN: dict[str, VarlenFn] = {
@@ -44,11 +39,17 @@ _VARLEN: dict[str, VarlenFn] = {
 }
 
 
+def takes_cudnn(num_queries: int, num_keys: int) -> bool:
+    """Whether a one-sequence part of this shape goes to cuDNN (long, and of a repeating shape)."""
+    return (num_queries >= CUDNN_MIN_QUERIES and num_queries % CUDNN_SHAPE_STEP == 0
+            and num_keys % CUDNN_SHAPE_STEP == 0)
+
+
 @dataclass(slots=True, frozen=True)
 class AttentionBackends:
     varlen_name: str                  # "flash_attn" | "torch_flash" | "reference"
     decode_name: str                  # "triton" | "reference"
-    cudnn_prefill: bool = False       # long one-sequence parts through cuDNN attention
+    cudnn_prefill: bool = False       # parts `takes_cudnn` accepts go through cuDNN attention
 
     @classmethod
     def select(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> "AttentionBackends":
