@@ -1,14 +1,11 @@
-"""Quest's page selection on the GPU, per warp count and search width of the select kernel.
+"""Quest's page selection on the GPU, per warp count of the select kernel.
 
 One call scores every page of a Qwen3-4B-shaped layer (8 KV heads, 4 query heads each,
 head dim 128, bf16 bounds) and picks the pages of the budget. Each variant is replayed from
 a CUDA graph of 20 calls, so the figure is GPU time, not launch time; it also checks that
-every variant picks the same pages. Medians of --reps replays, microseconds per call;
-"no_search" keeps every page (budget beyond the context: the scores and the ordered write
-pass without the threshold search), so the search costs a variant's time minus it.
+every variant picks the same pages. Medians of --reps replays, microseconds per call.
 
     python benchmarks/quest_select_sweep.py [--contexts 32768,131072] [--batches 1,4]
-                                            [--warps 8,16] [--ways 2,4,8,16,32]
 """
 
 from __future__ import annotations
@@ -36,11 +33,11 @@ def inputs(context: int, batch: int, seed: int) -> tuple:
     return q, kmin, kmax, tables, lens
 
 
-def call(args, budget_pages: int, max_pages: int, warps: int, ways: int):
+def call(args, budget_pages: int, max_pages: int, warps: int):
     return tqs.select_decode_pages_triton(
         *args, max_pages=max_pages, block_size=BLOCK, page_size=PAGE, budget_pages=budget_pages,
         sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=True, physical=True,
-        counters=None, select_warps=warps, select_ways=ways)
+        counters=None, select_warps=warps)
 
 
 def time_graph(fn, reps: int) -> float:
@@ -66,11 +63,8 @@ def main() -> None:
     parser.add_argument("--contexts", default="32768,131072")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--budget", type=int, default=4096)
-    parser.add_argument("--warps", default="8,16")
-    parser.add_argument("--ways", default="2,4,8,16,32")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
-    variants = [(int(w), int(x)) for w in args.warps.split(",") for x in args.ways.split(",")]
     rows = []
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
@@ -78,19 +72,17 @@ def main() -> None:
             max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
             budget = args.budget // PAGE
             picked = {}
-            row = {"context": context, "batch": batch, "budget_pages": budget,
-                   "no_search_us": time_graph(lambda: call(data, max_pages, max_pages, 16, 16),
-                                              args.reps)}
-            for warps, ways in variants:
-                name = f"warps{warps}_ways{ways}"
-                picked[name] = call(data, budget, max_pages, warps, ways)[0].clone()
-                row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps, ways),
-                                               args.reps)
+            row = {"context": context, "batch": batch, "budget_pages": budget}
+            for warps in (4, 8, 16):
+                name = f"warps{warps}"
+                picked[name] = call(data, budget, max_pages, warps)[0].clone()
+                row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps), args.reps)
             first = next(iter(picked.values()))
             row["same_pages"] = all(torch.equal(first, other) for other in picked.values())
             print(row, flush=True)
             rows.append(row)
     save("quest_select_sweep", {"rows": rows})
+
 
 if __name__ == "__main__":
     main()

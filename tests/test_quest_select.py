@@ -231,10 +231,8 @@ def check_triton_selection(device: str) -> int:
                       append_newest=append, physical=physical)
             mine_counters = torch.zeros(2, dtype=torch.int64, device=device)
             want_counters = torch.zeros(2, dtype=torch.int64, device=device)
-            # Every search width finds the same threshold (16 is the engine's).
             got = tqs.select_decode_pages_triton(*args, **kw, counters=mine_counters,
-                                                 max_row_in_registers=1 << 14 if in_registers else 0,
-                                                 select_ways=(16, 2, 4, 32)[i % 4])
+                                                 max_row_in_registers=1 << 14 if in_registers else 0)
             want = select_decode_pages_ref(*args, **kw, counters=want_counters)
             ids, num = physical_page_ids(args[3], args[4], max_pages=kw["max_pages"], block_size=32)
             scores = page_scores_ref(*args[:3], ids, num, gqa_reduce=reduce).cpu()

@@ -7,12 +7,11 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
 - table scores: grid (batch, KV head, page tile). Logical page -> physical page through
   the block table in the kernel; bf16/fp16 bounds go through the tensor cores as they
   are (q+ and q- are exact in the same dtype, products are exact in fp32).
-- select: grid (batch, KV head). A many-way search over the scores' order-preserving
-  int32 image (SELECT_WAYS candidates a pass, 9 passes at 16) finds the budget-th largest
-  (the row held in registers, up to 16K pages; longer rows are re-read from L2 each
-  pass), then one ordered pass writes the chosen pages ascending (ties taken lowest page
-  first), the newest block's pages after them, and pads the rest. Nothing leaves the
-  device.
+- select: grid (batch, KV head). A bisection over the scores' order-preserving int32
+  image finds the budget-th largest (the row held in registers, up to 16K pages; longer
+  rows are re-read from L2 each step), then one ordered pass writes the chosen pages
+  ascending (ties taken lowest page first), the newest block's pages after them, and
+  pads the rest. Nothing leaves the device.
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ SCORE_BLOCK_P = 64      # pages per score program
 SELECT_CHUNK = 1024     # scores per step of the select kernel's passes over a long row
 MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
 SELECT_WARPS = 16       # H100, 8K pages: 57 us a call against 64 at 8 warps (quest_select_sweep.py)
-SELECT_WAYS = 16        # candidate thresholds a pass of the threshold search tests
 # Bisection bounds on the int32 keys: below every key, and above every key.
 BELOW_KEYS = tl.constexpr(-2147483648 - 1)
 ABOVE_KEYS = tl.constexpr(2147483648)
@@ -115,55 +113,37 @@ def _rank_keys(row_ptr, pos, n_pages, sink, recent):
 
 
 @triton.jit
-def _count_at_least(row_ptr, keys, lanes, n_pages, sink, recent, mids,
+def _count_at_least(row_ptr, keys, lanes, n_pages, sink, recent, mid,
                     CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """For each candidate threshold in mids ([WAYS] int32), how many keys are >= it."""
-    if IN_REGISTERS:            # the whole row was ranked once: compares and one reduction
-        hits = (lanes < n_pages)[None, :] & (keys[None, :] >= mids[:, None])
-        counts = tl.sum(hits.to(tl.int32), axis=1)
+    """How many keys are >= mid (an int32 value)."""
+    if IN_REGISTERS:            # the whole row was ranked once: a compare and a sum
+        count = tl.sum(((lanes < n_pages) & (keys >= mid)).to(tl.int32), axis=0)
     else:
-        counts = tl.zeros(mids.shape, tl.int32)
+        count = tl.zeros([], tl.int32)
         for start in range(0, n_pages, CHUNK):
             pos = start + lanes
             chunk = _rank_keys(row_ptr, pos, n_pages, sink, recent)
-            hits = (pos < n_pages)[None, :] & (chunk[None, :] >= mids[:, None])
-            counts += tl.sum(hits.to(tl.int32), axis=1)
-    return counts
+            count += tl.sum(((pos < n_pages) & (chunk >= mid)).to(tl.int32), axis=0)
+    return count
 
 
 @triton.jit
 def _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                      CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr, WAYS: tl.constexpr,
-                      PASSES: tl.constexpr):
-    """(t, count(key > t)) for the largest t with count(key >= t) >= budget, t below every
-    key when every page fits. A WAYS-ary search over the int32 keys: each pass counts the
-    keys at or above WAYS evenly spaced candidates at once, so the interval shrinks WAYS-fold
-    for one block-wide reduction (a pass costs its reduction, not its compares)."""
-    lo = tl.full([], BELOW_KEYS, tl.int64)    # count(key >= lo) >= budget
-    hi = tl.full([], ABOVE_KEYS, tl.int64)    # count(key >= hi) < budget
-    above = tl.zeros([], tl.int32)            # count(key >= hi)
-    ways = tl.arange(0, WAYS)
-    iterations = tl.where(n_pages > budget, PASSES, 0)
+                      CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """(t, count(key > t)) for the largest t with count(key >= t) >= budget, by bisection
+    over the int32 keys (33 passes); t below every key when every page fits."""
+    lo = tl.full([], BELOW_KEYS, tl.int64)
+    hi = tl.full([], ABOVE_KEYS, tl.int64)
+    above = tl.zeros([], tl.int32)            # count(key >= hi) < budget
+    iterations = tl.where(n_pages > budget, 33, 0)
     for _ in range(0, iterations):
-        mids = lo + ((hi - lo) * ways) // WAYS        # mids[0] = lo; all below hi
-        # Below every int32 key counts every key: clamping lo's sentinel is exact.
-        counts = _count_at_least(row, keys, lanes, n_pages, sink, recent,
-                                 tl.maximum(mids, -2147483648).to(tl.int32), CHUNK, IN_REGISTERS)
-        fit = tl.sum((counts >= budget).to(tl.int32), axis=0)      # >= 1: mids[0] = lo
-        lo = tl.max(tl.where(ways == fit - 1, mids, BELOW_KEYS), axis=0)
-        new_hi = tl.max(tl.where(ways == fit, mids, BELOW_KEYS), axis=0)
-        above = tl.where(fit < WAYS, tl.max(tl.where(ways == fit, counts, 0), axis=0), above)
-        hi = tl.where(fit < WAYS, new_hi, hi)
+        mid = (lo + hi) // 2                  # strictly between: always an int32
+        count = _count_at_least(row, keys, lanes, n_pages, sink, recent, mid.to(tl.int32),
+                                CHUNK, IN_REGISTERS)
+        lo = tl.where(count >= budget, mid, lo)
+        above = tl.where(count >= budget, above, count)
+        hi = tl.where(count >= budget, hi, mid)
     return lo, above
-
-
-def search_passes(ways: int) -> int:
-    """Passes of a `ways`-ary search to narrow 2^32 + 1 candidate thresholds to one: each
-    leaves at most ceil(size / ways) of them."""
-    size, passes = 2 ** 32 + 1, 0
-    while size > 1:
-        size, passes = -(-size // ways), passes + 1
-    return passes
 
 
 @triton.jit
@@ -173,7 +153,6 @@ def _select_kernel(
     budget, sink, recent, width,
     PAGE: tl.constexpr, PPB: tl.constexpr, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr,
     APPEND_NEWEST: tl.constexpr, WRITE_PHYSICAL: tl.constexpr, COUNT: tl.constexpr,
-    WAYS: tl.constexpr, PASSES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -183,7 +162,7 @@ def _select_kernel(
     keys = _rank_keys(row, lanes, n_pages, sink, recent)   # the row, when it fits: IN_REGISTERS
     # Largest threshold t with count(key >= t) >= budget; none needed if every page fits.
     lo, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                                  CHUNK, IN_REGISTERS, WAYS, PASSES)
+                                  CHUNK, IN_REGISTERS)
     ties_wanted = tl.where(n_pages > budget, budget - above, 0)
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
@@ -253,7 +232,6 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
                                physical: bool, counters: Tensor | None,
                                max_row_in_registers: int = MAX_ROW_IN_REGISTERS,
                                select_warps: int = SELECT_WARPS,
-                               select_ways: int = SELECT_WAYS,
                                ) -> tuple[Tensor, Tensor, Tensor | None]:
     """See astream.ops.quest_select.select_decode_pages_ref (max_row_in_registers: tests)."""
     batch, n_heads, head_dim = q.shape
@@ -290,7 +268,6 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
         budget_pages, sink_pages, recent_pages, width, PAGE=page_size, PPB=ppb,
         CHUNK=row if in_registers else SELECT_CHUNK, IN_REGISTERS=in_registers,
         APPEND_NEWEST=append_newest, WRITE_PHYSICAL=physical, COUNT=counters is not None,
-        WAYS=select_ways, PASSES=search_passes(select_ways),
         num_warps=select_warps if in_registers else NUM_WARPS,
     )
     return indices, counts, phys
