@@ -180,3 +180,24 @@ def test_host_pool_is_unpinned_when_the_engine_closes(tiny_qwen3):
         out = llm.generate([[5, 17, 923, 4411] * 20], SamplingParams(temperature=0.0, max_tokens=8))
         assert len(out[0].token_ids) == 8
     assert not pool.pinned and not pool.tensor.is_pinned()
+
+
+def test_ring_slot_cut_by_memory_holds_whole_1024_token_runs(monkeypatch):
+    """A ring slot sized by the device memory left keeps the shape cuDNN attention takes
+    (whole 1,024-token runs), so a full slot's prefill part is not sent to a slower kernel."""
+    from astream.kvcache import sizing
+    from astream.models.config import ModelConfig
+    model = ModelConfig.from_hf(dict(
+        model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=1 << 20))
+    layer_block_bytes = model.kv_bytes_per_token // model.num_layers * 16 * 2
+    spec = sizing.CacheSpec(block_size=16, max_num_seqs=4, offload=True, num_kv_blocks=1 << 16,
+                            max_model_len=1 << 20, max_num_batched_tokens=8192,
+                            offload_ring_slots=3)
+    fixed = (2 * (8192 // 16 + 1) + model.num_layers * 5) * layer_block_bytes
+    for spare_blocks, want in ((100, 64), (130, 128), (1000, 960), (63, 63), (5, 5)):
+        free = fixed + spare_blocks * 3 * layer_block_bytes
+        monkeypatch.setattr(sizing, "_free_device_bytes", lambda *args, free=free: free)
+        plan = sizing.plan_cache(spec, model, torch.bfloat16, torch.device("cuda"))
+        assert plan.offload.slot_blocks == want

@@ -14,6 +14,7 @@ import torch
 
 from astream.kvcache.context_loads import CONTEXT_STAGE_BLOCKS
 from astream.models.config import ModelConfig
+from astream.ops.backends import CUDNN_SHAPE_STEP
 
 _MiB, _GiB = 2**20, 2**30
 _SLOT_TOKENS = 65536
@@ -144,7 +145,8 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
             fixed += 2 * -(-max_len // block) * packed_block_bytes \
                 + CONTEXT_STAGE_BLOCKS * layer_block_bytes
         spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
-        slot_blocks = min(wanted, max(spare, 0) // (slots * layer_block_bytes))
+        slot_blocks = _whole_shape_steps(min(wanted, max(spare, 0) // (slots * layer_block_bytes)),
+                                         block)
     else:
         slot_blocks = min(wanted, _GiB // (slots * layer_block_bytes))
     if slot_blocks < 1:
@@ -154,6 +156,13 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
                          "stay on the device); lower max_num_batched_tokens, offload_ring_slots, "
                          "the host pool or the policy's dense layers, or raise gpu_memory_utilization")
     return OffloadPlan(slots, int(slot_blocks), staging_blocks)
+
+
+def _whole_shape_steps(blocks: int, block: int) -> int:
+    """A slot cut by the memory there is holds whole CUDNN_SHAPE_STEP runs of tokens where it
+    can: a full slot's prefill part then keeps the shape cuDNN attention takes."""
+    step = CUDNN_SHAPE_STEP // block if CUDNN_SHAPE_STEP % block == 0 else 1
+    return blocks - blocks % step if blocks >= step else blocks
 
 
 def _free_device_bytes(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
