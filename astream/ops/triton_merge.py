@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.triton_decode import NUM_WARPS
+from astream.ops.triton_tiles import NUM_WARPS
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.triton_decode import LOG2E, MIN_DOT_DIM, _dim_mask, _finish
+from astream.ops.triton_tiles import LOG2E, MIN_DOT_DIM, _dim_mask, _finish
 from astream.ops.triton_xattention import _attend_tile_masked, sparse_prefill_outputs
 
 # Launch settings (benchmarks/sparse_prefill.py --sections tune sweeps them on a GPU).

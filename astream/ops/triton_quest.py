@@ -18,9 +18,11 @@ import triton.language as tl
 from torch import Tensor
 
 from astream.ops.triton_decode import (
-    LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _block_n, _check_inputs, _dim_mask,
-    _finish, _head_scales, _launch_merge, _load_kv, _query_tile, _split_range, _store_split,
-    _to_compute, _token_slots, choose_num_splits, dot_precision, scale_args,
+    _block_n, _check_inputs, _launch_merge, choose_num_splits, dot_precision, scale_args,
+)
+from astream.ops.triton_tiles import (
+    LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _dim_mask, _finish, _head_scales,
+    _load_kv, _query_tile, _split_range, _store_split, _to_compute, _token_slots,
 )
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.triton_decode import NUM_WARPS, _dim_mask, _scores
+from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
 from astream.ops.triton_quest import group_tile
 
 SCORE_BLOCK_P = 64      # pages per score program

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.triton_decode import (
+from astream.ops.triton_tiles import (
     LOG2E, MIN_DOT_DIM, _dim_mask, _finish, _scores, _weighted_values,
 )
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.triton_decode import LOG2E, MIN_DOT_DIM, _dim_mask
+from astream.ops.triton_tiles import LOG2E, MIN_DOT_DIM, _dim_mask
 
 QUERY_GROUPS = 128       # stride-groups of queries a program owns (a multiple of a block's)
 KEY_GROUPS = 64          # stride-groups of keys a tile covers
