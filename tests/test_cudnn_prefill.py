@@ -149,3 +149,29 @@ def test_packed_batch_with_a_long_sequence_matches_reference_on_gpu():
                                               scale=128 ** -0.5)
     assert (out.float() - want_out).abs().max().item() < 2e-2 * want_out.abs().max().item()
     assert (lse - want_lse).abs().max().item() < 1e-2
+
+
+def test_a_failing_cudnn_part_falls_back_to_the_varlen_kernel(monkeypatch):
+    """cuDNN refusing a shape at run time (no plan) costs speed, not the request; running out
+    of memory is not hidden."""
+    backends = AttentionBackends("reference", "reference", cudnn_prefill=True)
+    n = CUDNN_MIN_QUERIES
+    q, k, v = random_qkv(n, 2 * n)
+    meta = varlen_meta([0, n], [0, 2 * n], q.device)
+    want = varlen_attention_ref(q, k, v, meta, causal=True, scale=0.2)
+
+    def no_plan(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: No execution plans support the graph.")
+
+    monkeypatch.setattr(cudnn_attention, "cudnn_dense", no_plan)
+    with pytest.warns(RuntimeWarning, match="No execution plans"):
+        out, lse = backends.varlen(q, k, v, meta, causal=True, scale=0.2)
+    torch.testing.assert_close(out, want[0])
+    torch.testing.assert_close(lse, want[1])
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(cudnn_attention, "cudnn_dense", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        backends.varlen(q, k, v, meta, causal=True, scale=0.2)

@@ -9,6 +9,7 @@ call through it, so no layer or ring slot decides again.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -66,12 +67,21 @@ class AttentionBackends:
         if not self.cudnn_prefill or meta.max_seqlen_q < CUDNN_MIN_QUERIES:
             return kernel(q, k, v, meta, causal=causal, scale=scale)
 
-        def long_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
-            return cudnn_attention.one_sequence(cudnn_attention.cudnn_dense, self.merge_into_rows,
-                                                q, k, v, causal=causal, scale=scale)
-
         def short_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
             return kernel(q, k, v, one, causal=causal, scale=scale)
+
+        def long_part(q, k, v, one: VarlenMeta) -> tuple[Tensor, Tensor]:
+            try:
+                return cudnn_attention.one_sequence(cudnn_attention.cudnn_dense,
+                                                    self.merge_into_rows, q, k, v,
+                                                    causal=causal, scale=scale)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as exc:   # no plan for this shape, a cuDNN/driver mismatch
+                # The other kernel computes the same attention: the request goes on.
+                warnings.warn(f"cuDNN attention failed ({str(exc)[:200]}); this part uses "
+                              f"the {self.varlen_name} kernel", RuntimeWarning, stacklevel=2)
+                return short_part(q, k, v, one)
 
         return cudnn_attention.by_sequence(long_part, short_part, q, k, v, meta,
                                            takes_long=takes_cudnn)
