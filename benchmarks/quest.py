@@ -42,7 +42,7 @@ def decode_steps(core: EngineCore, steps: int) -> list[float]:
     return times
 
 
-def set_budget(core: EngineCore, budget: int, kernels: str) -> None:
+def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto") -> None:
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
     core.runner.decoder.kernels = LayerKernels(kernels)
@@ -50,11 +50,18 @@ def set_budget(core: EngineCore, budget: int, kernels: str) -> None:
     # through the ring, eagerly). --eager keeps every step eager.
     core.runner.graphs = None
     gc.collect()
-    core.runner.graphs = build_graphs(core.config, core.plan, core.runner)
+    core.runner.graphs = graphs = build_graphs(core.config, core.plan, core.runner)
+    # With offload, a policy that never selects (Full) gathers whole contexts from graphs
+    # only for small layers; "never" / "always" measure either path alone.
+    if graphs is not None and getattr(graphs, "dense", False):
+        if dense_graphs == "never":
+            core.runner.graphs = None
+        elif dense_graphs == "always":
+            graphs.dense_max_layer_bytes = 1 << 62
 
 
 def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int,
-             kernel_sets: list[str]) -> list:
+             kernel_sets: list[str], dense_graphs: str) -> list:
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     sinks = [core.add_request(f"c{seed}-{i}", torch.randint(100, 49152, (ctx,), generator=gen).tolist(),
@@ -67,13 +74,14 @@ def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: 
     rows = []
     for kernels in kernel_sets:
         for budget in budgets:
-            set_budget(core, budget, kernels)
+            set_budget(core, budget, kernels, dense_graphs)
             decode_steps(core, 2)                                # warm-up (and Triton compiles)
             before = core.stats()
             times = decode_steps(core, steps)
             after = core.stats()
             rows.append({**row(ctx, batch, budget, times, before, after, steps, prefill_s),
-                         "layer_kernels": kernels})
+                         "layer_kernels": kernels, "dense_graphs": dense_graphs,
+                         "graph_steps": after["graph_steps"] - before["graph_steps"]})
             print(rows[-1], flush=True)
     for i in range(batch):
         core.abort(f"c{seed}-{i}")
@@ -95,13 +103,14 @@ def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
             "prefill_s": round(prefill_s, 2)}
 
 
-def run_mode(config: EngineConfig, cases, budgets, steps, kernel_sets) -> list:
+def run_mode(config: EngineConfig, cases, budgets, steps, kernel_sets,
+             dense_graphs: str = "auto") -> list:
     core = EngineCore.create(config)
     try:
         rows = []
         for i, (ctx, batch) in enumerate(cases):
             rows += one_case(core, ctx, batch, budgets, steps, i, kernel_sets or
-                             [core.runner.decoder.kernels.name])
+                             [core.runner.decoder.kernels.name], dense_graphs)
         return rows
     finally:
         core.runner.graphs = None
@@ -125,6 +134,9 @@ def main() -> None:
     parser.add_argument("--layer-kernels", default="",
                         help="decoder kernels to run in turn on each engine, e.g. reference,triton "
                              "(default: the engine's own choice)")
+    parser.add_argument("--dense-graphs", default="auto",
+                        help="offload Full from CUDA graphs: auto (the engine's rule), never, "
+                             "always, or several in turn, e.g. never,always")
     parser.add_argument("--name", default=None, help="results file name")
     args = parser.parse_args()
     kernel_sets = [k for k in args.layer_kernels.split(",") if k]
@@ -158,7 +170,9 @@ def main() -> None:
             pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
             cfg = EngineConfig(**{**kv_base, "offload": True, "num_kv_blocks": pool,
                                   **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
-            results["offload"] += run_mode(cfg, offload_cases, budgets, steps, kernel_sets)
+            for dense in args.dense_graphs.split(","):
+                results["offload"] += run_mode(cfg, offload_cases, budgets, steps, kernel_sets,
+                                               dense)
             save(name, results, smoke=smoke)
     summarize(results)
 
@@ -169,7 +183,7 @@ def summarize(results: dict) -> None:
     resident = {(r["context"], r["batch"], r["layer_kernels"]): r["step_ms"]
                 for r in results.get("resident", []) if r["budget"] == "full" and r["kv"] == first}
     print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
-          f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}")
+          f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}{'graph':>7}")
     for mode in ("resident", "offload"):
         for r in results.get(mode, []):
             ref = resident.get((r["context"], r["batch"], r["layer_kernels"]))
@@ -177,7 +191,8 @@ def summarize(results: dict) -> None:
             spread = f"{r['step_ms_min']}/{r['step_ms']}/{r['step_ms_max']}"
             print(f"{mode:<9}{r['layer_kernels']:>10}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}"
                   f"{spread:>26}{ratio:>17}"
-                  f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}")
+                  f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}"
+                  f"{r.get('graph_steps', 0):>7}")
 
 
 if __name__ == "__main__":

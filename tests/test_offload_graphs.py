@@ -9,6 +9,7 @@ import pytest
 
 from astream import LLM, SamplingParams
 from astream.executor.offload_graphs import OffloadDecodeGraphs, selects_everywhere
+from astream.executor.offload_plan import DecodeContext
 from astream.policies import QuestPolicy
 
 KW = dict(device="cpu", dtype="float32", kv_block_size=16, num_kv_blocks=384, max_model_len=2048,
@@ -69,3 +70,50 @@ def test_only_a_policy_that_selects_on_every_offloaded_layer_is_captured():
     with LLM(**KW) as llm:                             # Full reads everything through the ring
         runner = llm.core.runner
         assert not selects_everywhere(runner.policy, runner.offload, layers, 2048)
+
+
+def with_dense_graphs(llm: LLM, max_batch: int, **kw) -> OffloadDecodeGraphs:
+    runner, plan = llm.core.runner, llm.core.plan
+    runner.graphs = OffloadDecodeGraphs(
+        runner.decoder, runner.offload, runner.backends, runner.policy, runner.generator,
+        max_batch=max_batch, max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
+        max_context=plan.max_model_len, dense=True, **kw)
+    return runner.graphs
+
+
+def test_full_offload_steps_from_static_buffers_give_the_eager_ring_tokens():
+    """Full with offload: each layer's whole host context gathered into a ring slot by the
+    static program gives the eager ring's tokens, moves the same bytes, returns every block."""
+    with LLM(**KW) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        eager_loaded = llm.stats()["offload_bytes_loaded"]
+    with LLM(**KW) as llm:
+        graphs = with_dense_graphs(llm, max_batch=4)
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        stats = llm.stats()
+        assert stats["graph_steps"] == graphs.steps >= 38
+        assert stats["offload_bytes_loaded"] == eager_loaded > 0
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        assert stats["offload_tail_blocks_used"] == 0
+    assert got == want
+
+
+def test_dense_steps_too_large_for_a_slot_or_the_byte_limit_run_eagerly():
+    """A step whose layer is larger than the limit, or whose host blocks do not fit one ring
+    slot, reads through the eager ring; the others run from the static buffers."""
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 33, 20, 12)]
+    with LLM(**KW) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        # 10 blocks of a layer (float32 SmolLM2: 2 x 3 heads x 16 tokens x 64 x 4 bytes each)
+        graphs = with_dense_graphs(llm, max_batch=4, dense_max_layer_bytes=10 * 24576)
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        # The long prompt's ~44 host blocks are over the limit (its decode steps, ahead of the
+        # 32 of the longest request, run eagerly); once it is done, the rest are not.
+        assert 10 <= graphs.steps < 32
+        stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        graphs.dense_max_layer_bytes = 1 << 40
+        slot_blocks = llm.core.runner.offload.slot_blocks
+        fits = [graphs._gather_fits(DecodeContext(None, None, None, 0, host_blocks=n))
+                for n in (slot_blocks, slot_blocks + 1)]
+        assert fits == [True, False]

@@ -8,10 +8,11 @@ import torch
 
 from astream.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
-from astream.executor.offload_graphs import OffloadDecodeGraphs, selects_everywhere
+from astream.executor.offload_graphs import OffloadDecodeGraphs, decodes_densely, selects_everywhere
 from astream.executor.offload_plan import TailSlots
 from astream.executor.runner import ModelRunner
 from astream.kvcache.calibration import calibrate_format, calibration_ids, scaled_format
+from astream.kvcache.gathered_ring import GATHER_SLOTS
 from astream.kvcache.kv_format import KVFormat, is_fp8
 from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
@@ -65,8 +66,10 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
 def build_graphs(config: EngineConfig, plan: CachePlan,
                  runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs | None:
     """Decode steps captured in CUDA graphs for the runner's KV backend, or None where steps
-    run eagerly: on the CPU, under enforce_eager, and with offload unless the policy selects
-    decode pages on every offloaded layer (otherwise a step reads through the ring)."""
+    run eagerly: on the CPU, under enforce_eager, and with offload under a policy that
+    selects decode pages on some offloaded layers only (those steps read through the ring).
+    With offload, a policy that selects on every offloaded layer gathers its pages in the
+    graph, and one that never selects gathers whole contexts (executor.offload_graphs)."""
     if not runner.runtime.is_cuda or config.enforce_eager:
         return None
     shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
@@ -79,6 +82,10 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
                             plan.max_model_len):
         graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
                                      runner.policy, runner.generator, **shape)
+    elif (decodes_densely(runner.policy, runner.decoder.config.num_layers, plan.max_model_len)
+          and len(runner.offload.slots) >= GATHER_SLOTS):
+        graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
+                                     runner.policy, runner.generator, **shape, dense=True)
     else:
         return None
     with torch.inference_mode():

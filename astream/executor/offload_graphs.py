@@ -1,9 +1,17 @@
-"""CUDA graphs for offloaded decode steps under a policy that selects decode pages (Quest).
+"""CUDA graphs for offloaded decode steps. Launched eagerly, such a step is bound by the
+host (about a thousand small launches, 1-2 ms a layer); from a graph, by the device. A
+graph may not read through the eager ring (its copies' host addresses would be frozen),
+so host KV reaches it through device kernels that read the pinned pool in place:
 
-Such a step moves nothing through the ring: the dense layers read their device copy, every
-other layer gathers the pages its queries choose straight from the host pool, and new KV
-goes to the device tails. Launched eagerly, the step is bound by the host (about a
-thousand small launches); replayed from a graph it is bound by the device.
+- under a policy that selects decode pages (Quest): the dense layers read their device
+  copy, every other layer gathers the pages its queries choose;
+- under one that never does ("dense", e.g. Full): each offloaded layer's whole context is
+  gathered into a ring slot a layer ahead, on a side stream (kvcache.gathered_ring). That
+  kernel reads at about 46 GB/s where the eager ring's copies reach 54, so a step takes it
+  only while its layers are small enough for the eager step to be paced by the host
+  (`dense_max_layer_bytes`), and only if every row's host blocks fit one slot.
+
+New KV goes to the device tails in both.
 
 A graph holds no host decision and no wait on work outside it, so around each replay:
 - before: the compute stream waits for every layer's latest offload (the graph reads host
@@ -27,9 +35,10 @@ from astream.executor.cuda_graphs import capture_sizes, padded_size
 from astream.executor.graph_sampling import GraphSampler, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.offload_attention import OffloadAttention
-from astream.executor.offload_plan import DecodeContext, OffloadStepPlan
+from astream.executor.offload_plan import DecodeContext, JobTemplate, OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch
+from astream.kvcache.gathered_ring import GATHER_SLOTS, GatheredRing
 from astream.kvcache.offload_engine import NewKV, OffloadEngine
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
@@ -45,6 +54,18 @@ def selects_everywhere(policy: PolicyRuntime, engine: OffloadEngine, num_layers:
         for layer in range(num_layers))
 
 
+# An eager offloaded layer costs the H100's host about 1.8 ms, and within a step the gather
+# reads about 46 GB/s against the copy engine's 54 (docs/BENCHMARKS.md, issue 15): past
+# about 80 MiB a layer the eager step is paced by PCIe, not the host, and copies faster.
+DENSE_GRAPH_MAX_LAYER_BYTES = 80 << 20
+
+
+def decodes_densely(policy: PolicyRuntime, num_layers: int, max_context: int) -> bool:
+    """Whether no layer ever selects decode pages (selection only starts as contexts grow,
+    so none at the longest context means none at all)."""
+    return not any(policy.selects_decode(layer, max_context) for layer in range(num_layers))
+
+
 @dataclass(slots=True)
 class OffloadDecodeGraphs:
     decoder: Decoder
@@ -55,9 +76,12 @@ class OffloadDecodeGraphs:
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
+    dense: bool = False                  # gather whole contexts (the policy never selects)
+    dense_max_layer_bytes: int = DENSE_GRAPH_MAX_LAYER_BYTES
     graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     sampler: GraphSampler | None = None
+    side: torch.cuda.Stream | None = None  # dense: the gathers' stream
     steps: int = 0                       # steps run from the static buffers
 
     def __post_init__(self) -> None:
@@ -80,6 +104,9 @@ class OffloadDecodeGraphs:
                                   device=device),
         }
         self.sampler = GraphSampler.allocate(self.decoder, self.generator, b)
+        if self.dense:
+            assert len(self.engine.slots) >= GATHER_SLOTS, "dense graphs gather into two ring slots"
+            self.side = self.engine.runtime.new_stream()
 
     @property
     def scratch_slot(self) -> int:
@@ -102,7 +129,15 @@ class OffloadDecodeGraphs:
         return (plan is not None and attn.num_prefill_tokens == 0
                 and inputs.num_tokens <= self.max_batch
                 and inputs.sample_rows.shape[0] == inputs.num_tokens
-                and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
+                and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq
+                and (not self.dense or self._gather_fits(plan.decode_context)))
+
+    def _gather_fits(self, context: DecodeContext | None) -> bool:
+        """Dense: the rows' host blocks fit one slot and a layer of them is small enough
+        that the eager step would be paced by the host."""
+        blocks = context.host_blocks if context is not None else 0
+        engine = self.engine
+        return blocks <= engine.slot_blocks and blocks * engine.block_bytes <= self.dense_max_layer_bytes
 
     def run(self, inputs: StepInputs, plan: OffloadStepPlan,
             sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,9 +148,19 @@ class OffloadDecodeGraphs:
         self._pad(n, size)
         self.engine.wait_offloads()
         ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, self.buffers["hidden"])
+        if self.dense:
+            self._after_gathers(plan.decode_context)
         self.engine.send_tails(self.sparse_layers, plan.new_kv.tails_to_host)
         self.steps += 1
         return self.buffers["hidden"][:n], ids
+
+    def _after_gathers(self, context: DecodeContext | None) -> None:
+        """The eager ring's next loads into the gather slots wait for this step's reads."""
+        engine = self.engine
+        for slot in engine.slots[:GATHER_SLOTS]:
+            slot.free = engine.runtime.record_event()
+        blocks = context.host_blocks if context is not None else 0
+        engine.bytes_loaded += blocks * engine.block_bytes * len(self.sparse_layers)
 
     def _fill(self, inputs: StepInputs, plan: OffloadStepPlan) -> None:
         buf, attn, n = self.buffers, inputs.attn, inputs.num_tokens
@@ -147,12 +192,12 @@ class OffloadDecodeGraphs:
     def _run_eager(self, size: int) -> torch.Tensor:
         buf, engine, layers = self.buffers, self.engine, self.decoder.config.num_layers
         rows = buf["rows"][:size]
+        host = DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size], self.max_context)
         plan = OffloadStepPlan(
             jobs=[], prefill_jobs=[], decode_jobs=[], num_prefill_tokens=0, chunk_meta=None,
             new_kv=NewKV(None, None, rows, buf["tail_index"][:size], (), ()),
             decode_tail_tables=buf["tail_tables"][:size], decode_tail_lens=buf["tail_lens"][:size],
-            decode_context=DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size],
-                                         self.max_context))
+            decode_context=None if self.dense else host)
         meta = AttentionMetadata(
             num_prefill_tokens=0, slot_mapping=buf["slots"][:size], prefill=None,
             prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
@@ -160,8 +205,24 @@ class OffloadDecodeGraphs:
         scale = self.decoder.config.head_dim ** -0.5
         on_device = None if engine.on_device is None else PagedAttention(
             engine.on_device, meta, self.backends, self.policy, scale)
-        attend = OffloadAttention(
-            engine, plan, engine.loads([[] for _ in range(layers)]),
-            [layer not in engine.device_layers for layer in range(layers)], meta.slot_mapping,
-            self.backends, self.policy, scale, on_device)
-        return self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)
+        if self.dense:
+            loads = self._gathered_ring(host)
+            # One ring job: each row reads its own packed blocks of the slot.
+            plan.jobs.append(JobTemplate(decode_index=rows, decode_table_tensor=loads.dst_table,
+                                         decode_lens=host.context_lens, decode_max=self.max_context))
+            sparse = [False] * layers
+        else:
+            loads = engine.loads([[] for _ in range(layers)])
+            sparse = [layer not in engine.device_layers for layer in range(layers)]
+        attend = OffloadAttention(engine, plan, loads, sparse, meta.slot_mapping, self.backends,
+                                  self.policy, scale, on_device)
+        hidden = self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)
+        if self.dense:
+            loads.finish()
+        return hidden
+
+    def _gathered_ring(self, host: DecodeContext) -> GatheredRing:
+        """Every offloaded layer's whole host context, packed into a ring slot a layer ahead."""
+        nblocks = (host.context_lens // self.engine.block_size).to(torch.int32)
+        return self.engine.gathered_ring(host.block_tables, nblocks, self.sparse_layers, self.side)
+

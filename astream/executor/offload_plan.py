@@ -50,6 +50,7 @@ class DecodeContext:
     block_tables: torch.Tensor                     # [D, max_blocks] int32 host block ids
     context_lens: torch.Tensor                     # [D] int32 tokens in those blocks
     max_context: int
+    host_blocks: int = 0                           # all rows' full host blocks together
 
 
 @dataclass(slots=True, frozen=True)
@@ -221,7 +222,7 @@ def _decode_context(plan: _PlanBuilder, device: torch.device) -> DecodeContext |
     lens = [len(t) * plan.block_size for t in plan.decode_tables]
     return DecodeContext(_tensor(plan.decode_rows, torch.int64, device),
                          _tensor(tables, torch.int32, device), _tensor(lens, torch.int32, device),
-                         max(lens))
+                         max(lens), sum(len(t) for t in plan.decode_tables))
 
 
 def _pack(jobs: list[JobTemplate], slot_blocks: int, blocks: list[int], row: int, n: int,
