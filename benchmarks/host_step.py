@@ -1,16 +1,21 @@
-"""Host time of a decode step at large batch, on the CPU, with the device work made negligible.
+"""Host time of a decode step at large batch, on the CPU, with the device work removed.
 
-A micro model (one layer, hidden 64, random weights, the SmolLM2 tokenizer's vocabulary)
-keeps the forward cheap; prompts are 100..1024 random tokens, so block tables are as wide
-as in benchmarks/throughput.py. Every sequence is decoding while it is measured.
+The engine runs a micro model (one layer, hidden 64, random weights, the SmolLM2
+tokenizer's vocabulary), and by default its step program is replaced by one that only
+draws random token ids for the sampled rows (`--device-work none`): what is left is
+the host's share of a step, as on a GPU, with the CPU's caches not flushed by a CPU
+forward pass in between. `--device-work model` runs the micro model's forward instead.
+Prompts are 100..1024 random tokens, so block tables are as wide as in
+benchmarks/throughput.py; every sequence is decoding while it is measured.
 
 1. Core phases: EngineCore driven step by step, each request's output going to the
    engine's own request channel (nobody reads it). Per step: schedule, prepare (step
    inputs and sampling batch), process (token bookkeeping, detokenization, stop checks,
-   delivery) and, within process, emit (the time inside the channels). `forward` is the
-   CPU forward pass: device work on a GPU, shown only for scale.
+   delivery) and, within process, emit (the time inside the channels). `forward` is
+   the step program: device work on a GPU.
 2. Async loop: Engine.stream with one consumer per request; CPU time of the event-loop
-   thread per decode step (the CPU forward runs on a worker thread and is not counted).
+   thread per decode step (on the CPU the step program runs on a worker thread and is
+   not counted).
 
 Each figure is min / median / max over --runs runs.
 
@@ -21,6 +26,7 @@ Each figure is min / median / max over --runs runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -29,7 +35,8 @@ import torch
 
 from common import random_workload, save, shaped_model, smollm2  # noqa: I001
 from astream import Engine, EngineConfig, SamplingParams
-from astream.core import EngineCore
+from astream.core import EngineCore, StepOutput
+from astream.executor.runner import ModelRunner
 from astream.stages.channel import RequestChannel
 
 VOCAB = 8192                           # ids the SmolLM2 tokenizer decodes; a cheap logits matmul
@@ -59,6 +66,24 @@ class TimedSink:
     @property
     def backlog(self) -> int:
         return self.inner.backlog
+
+
+@contextlib.contextmanager
+def without_device_work(seed: int = 0):
+    """ModelRunner.program replaced, while inside, by random ids for the sampled rows."""
+    generator, real = torch.Generator().manual_seed(seed), ModelRunner.program
+
+    def program(runner: ModelRunner, step, previous):
+        yield from ()
+        ids = torch.randint(100, VOCAB, (len(step.sampled),), generator=generator)
+        host, ready = runner.runtime.to_host(ids)
+        return StepOutput(step.batch, step.sampled, ids, host, ready)
+
+    ModelRunner.program = program
+    try:
+        yield
+    finally:
+        ModelRunner.program = real
 
 
 def engine_config(batch: int) -> dict:
@@ -158,22 +183,26 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40, help="decode steps measured per run")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps measured per run")
     parser.add_argument("--warmup", type=int, default=8, help="decode steps before measuring")
+    parser.add_argument("--device-work", choices=("none", "model"), default="none",
+                        help="none: random ids stand in for each step's program; model: the "
+                             "micro model's CPU forward")
     parser.add_argument("--name", default="host_step", help="results file name")
     args = parser.parse_args()
-    torch.set_num_threads(1)           # the forward is negligible; keep it off the loop's core
+    torch.set_num_threads(1)           # keep any forward off the loop's core
     batches = [8] if args.smoke else [int(b) for b in args.batches.split(",")]
     runs, steps = (1, 5) if args.smoke else (args.runs, args.steps)
     results = {}
-    for batch in batches:
-        results[f"batch_{batch}"] = measure(batch, runs, steps, 2 if args.smoke else args.warmup)
-        print(f"batch {batch}:")
-        for key, value in results[f"batch_{batch}"].items():
-            print(f"  {key:<22} {value}")
-    save(args.name, {"what": "host ms per decode step (CPU, micro model, greedy, ignore_eos); "
-                             f"{steps} steps per run, min/median/max of {runs} runs",
-                     **results}, smoke=args.smoke)
+    with without_device_work() if args.device_work == "none" else contextlib.nullcontext():
+        for batch in batches:
+            results[f"batch_{batch}"] = measure(batch, runs, steps, 2 if args.smoke else args.warmup)
+            print(f"batch {batch}:")
+            for key, value in results[f"batch_{batch}"].items():
+                print(f"  {key:<22} {value}")
+    save(args.name, {"what": "host ms per decode step (CPU, micro model, greedy, ignore_eos, "
+                             f"device work: {args.device_work}); {steps} steps per run, "
+                             f"min/median/max of {runs} runs", **results}, smoke=args.smoke)
 
 
 if __name__ == "__main__":
