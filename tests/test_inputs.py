@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from astream.executor.decode_tables import DecodeTables
 from astream.executor.inputs import build_inputs
 from astream.sampling import SamplingParams
 from astream.scheduler import ScheduledBatch, ScheduledSeq
@@ -96,3 +98,29 @@ def test_columns_equal_the_row_by_row_definition(seed):
             assert attn.decode_max_context == max(want["lens"])
         else:
             assert attn.decode_block_tables is None and attn.decode_max_context == 0
+
+
+def test_decode_tables_kept_between_steps_equal_tables_built_afresh():
+    """Tables grow by appending and are replaced on release (as the block manager does);
+    rows come and go and change order; every step's array is the plain padded one."""
+    rng = random.Random(7)
+    kept, live = DecodeTables(), [[rng.randrange(100)] for _ in range(6)]
+    for _ in range(400):
+        for table in rng.sample(live, rng.randint(0, len(live))):
+            table.append(rng.randrange(100))
+        if rng.random() < 0.2:
+            live[rng.randrange(len(live))] = []                  # released, then given blocks anew
+        if rng.random() < 0.2 and len(live) > 1:
+            live.pop(rng.randrange(len(live)))
+        if rng.random() < 0.2:
+            live.insert(rng.randrange(len(live) + 1), [])
+        for table in live:
+            if not table:
+                table.extend(rng.randrange(100) for _ in range(rng.randint(1, 9)))
+        if rng.random() < 0.1:
+            rng.shuffle(live)
+        width = max(map(len, live))
+        want = [table + [0] * (width - len(table)) for table in live]
+        got = kept.build(live)
+        assert got.dtype == np.int32 and got.tolist() == want
+        assert DecodeTables().build(live).tolist() == want

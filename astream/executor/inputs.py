@@ -8,11 +8,11 @@ dtype (executor.host_pack): the host never waits for the device here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 import torch
 
+from astream.executor.decode_tables import DecodeTables
 from astream.executor.host_pack import HostPack
 from astream.ops.varlen import VarlenMeta
 from astream.scheduler import ScheduledBatch, ScheduledSeq
@@ -45,14 +45,17 @@ class StepInputs:
     pending_src: torch.Tensor | None = None
 
 
-def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device) -> StepInputs:
+def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
+                 decode_tables: DecodeTables | None = None) -> StepInputs:
+    """`decode_tables`: the caller's, kept from step to step, so unchanged tables are copied."""
     split = next((i for i, item in enumerate(batch.items) if item.num_tokens == 1), len(batch.items))
     chunks, singles = batch.items[:split], batch.items[split:]
     rows = _Rows()
     for item in chunks:
         rows.add_chunk(item, block_size)
-    tables = _block_tables(singles) if singles else None
     if singles:
+        tables = (DecodeTables() if decode_tables is None else decode_tables).build(
+            [item.seq.block_table for item in singles])
         rows.add_singles(singles, tables, block_size)
     longs, ints = HostPack(np.int64), HostPack(np.int32)
     token_parts = [longs.add(rows.column(name)) for name in ("ids", "positions", "slots")]
@@ -165,16 +168,6 @@ class _PrefillLayout:
                           max(b - a for a, b in zip(cu_q, cu_q[1:])),
                           max(b - a for a, b in zip(cu_k, cu_k[1:])), list(cu_q), list(cu_k))
         return meta, None if self.key_slots is None else sent64[self.key_slots]
-
-
-def _block_tables(items: tuple[ScheduledSeq, ...]) -> np.ndarray:
-    """[items, longest table] int32, each table padded with block 0."""
-    tables = [item.seq.block_table for item in items]
-    counts = np.fromiter(map(len, tables), np.int64, len(tables))
-    out = np.zeros((len(tables), int(counts.max())), dtype=np.int32)
-    out[np.arange(out.shape[1]) < counts[:, None]] = np.fromiter(
-        chain.from_iterable(tables), np.int32, int(counts.sum()))
-    return out
 
 
 def _cache_slots(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
