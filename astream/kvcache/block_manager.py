@@ -17,7 +17,8 @@ class BlockOwner(Protocol):
     """What the block manager reads and writes of a sequence: its table of blocks, how many
     tokens are computed and how many leading blocks are published, and its token ids."""
 
-    block_table: list[int]
+    block_table: list[int]             # only appended to; release starts a new list (the
+                                       # executor copies unchanged tables from step to step)
     num_computed_tokens: int
     num_hashed_blocks: int
     num_pending: int                   # sampled tokens whose ids the host has not seen yet
