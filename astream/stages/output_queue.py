@@ -58,18 +58,15 @@ class OutputQueue:
         while not self.items:
             if self.closed or self.abandoned:
                 raise StopAsyncIteration
-            await self._wait()
+            if self._on_asyncio is None:
+                self._on_asyncio = _in_asyncio_task()
+            if self._on_asyncio:
+                self._waiter = future = asyncio.get_running_loop().create_future()
+                await future
+            else:
+                self._waiter = event = anyio.Event()
+                await event.wait()
         return self.items.popleft()
-
-    async def _wait(self) -> None:
-        if self._on_asyncio is None:
-            self._on_asyncio = _in_asyncio_task()
-        if self._on_asyncio:
-            self._waiter = future = asyncio.get_running_loop().create_future()
-            await future
-        else:
-            self._waiter = event = anyio.Event()
-            await event.wait()
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
