@@ -154,8 +154,7 @@ class Scheduler:
             batch = self._schedule_isolated()
             if batch is not None:
                 return batch
-        if self.waiting:
-            self._rebalance()
+        self._rebalance()
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         preempted = False
@@ -179,9 +178,7 @@ class Scheduler:
         if not items:
             return None
         self.steps += 1
-        chunks = [item for item in items if item.num_tokens != 1]
-        if chunks:                         # chunks first, then single tokens, each in order
-            items = chunks + [item for item in items if item.num_tokens == 1]
+        items = [i for i in items if i.num_tokens != 1] + [i for i in items if i.num_tokens == 1]
         return ScheduledBatch(self.steps, tuple(items))
 
     def _schedule_isolated(self) -> ScheduledBatch | None:
@@ -199,7 +196,7 @@ class Scheduler:
     def _rebalance(self) -> None:
         """Free running slots for waiting clients: paused sequences first, then the newest
         sequence of a client running at least two more than the waiting one."""
-        if len(self.running) < self.config.max_num_seqs:
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
             return
         counts = Counter(s.client for s in self.running)
         for candidate in self.waiting.heads(counts):
