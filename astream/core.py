@@ -209,24 +209,27 @@ class EngineCore:
     def process(self, output: StepOutput) -> int:
         """Consume a finished step (its `ready` event must have completed): deliver each
         sampled token and prefill progress. Returns how many tokens were delivered."""
-        blocks = self.scheduler.blocks
+        register = self.scheduler.blocks.register_full_blocks
         for item in output.batch.items:
             if not item.seq.is_finished:       # this step's KV is written: cacheable now
-                blocks.register_full_blocks(item.seq, item.start + item.num_tokens)
+                register(item.seq, item.start + item.num_tokens)
         delivered = 0
+        arrived, requests, max_len = self.scheduler.token_arrived, self.requests, self.plan.max_model_len
         for seq, token_id in zip(output.sampled, output.host_ids.tolist()):
-            if self.scheduler.token_arrived(seq, token_id):
-                delivered += self._deliver_token(self.requests[seq.request_id], token_id)
+            if arrived(seq, token_id):
+                delivered += self._deliver_token(requests[seq.request_id], token_id, max_len)
         for item in output.batch.items:
-            request = self.requests.get(item.seq.request_id)
-            if not item.sample and request is not None and request.seq is item.seq:
+            if item.sample:                    # a decode, or a prompt's last chunk: no progress
+                continue
+            request = requests.get(item.seq.request_id)
+            if request is not None and request.seq is item.seq:
                 request.sink.progress(item.start + item.num_tokens, item.seq.num_prompt_tokens)
         return delivered
 
-    def _deliver_token(self, request: Request, token_id: int) -> int:
+    def _deliver_token(self, request: Request, token_id: int, max_len: int) -> int:
         seq = request.seq
         try:
-            delta = request.text.append(token_id, seq.num_tokens >= self.plan.max_model_len)
+            delta = request.text.append(token_id, seq.num_tokens >= max_len)
         except Exception as exc:               # a detokenizer or stop-check fault: this request only
             log.warning("request %s failed in output processing: %r", seq.request_id, exc)
             self.finish(request, "error", f"{type(exc).__name__}: {exc}")

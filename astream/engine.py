@@ -209,7 +209,7 @@ class Engine:
 
     async def _follow(self, request: Request, channel: RequestChannel, progress: bool):
         try:
-            async for item in channel.receive:
+            async for item in channel.queue:
                 if isinstance(item, Rejected):
                     raise item.error
                 if isinstance(item, Progress):
@@ -223,6 +223,7 @@ class Engine:
                     return
         finally:
             self._abort_request(request)
+            channel.queue.abandon()
 
     def _abort_request(self, request: Request) -> None:
         """End `request` if it is still live (a no-op once it finished or the engine closed)."""

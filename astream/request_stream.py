@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from astream.outputs import Progress, StreamToken
 from astream.request import Request
@@ -52,8 +52,8 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> StreamToken | Progress:
-        return await self._items.__anext__()
+    def __anext__(self) -> Awaitable[StreamToken | Progress]:
+        return self._items.__anext__()          # the awaitable itself: no frame of our own per item
 
     async def aclose(self) -> None:
         self._abort(self._request)

@@ -158,25 +158,27 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledSeq] = []
         preempted = False
+        running, block_size = self.running, self.blocks.block_size
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            index += 1
             n = self._chunk(seq, budget)
             if n <= 0 or seq.paused:
-                index += 1
                 continue
-            if not self._make_room(seq, n):
+            # Most steps of a decode fit in the blocks it holds: no allocation, no preemption.
+            if seq.num_computed_tokens + n > len(seq.block_table) * block_size \
+                    and not self._make_room(seq, n):
                 preempted = True
                 break                      # seq itself was preempted; it was the last one
             items.append(self._take(seq, n))
             budget -= n
-            index += 1
-        if not preempted:
+        if not preempted and self.waiting:
             self._admit(budget, items)
         if not items:
             return None
         self.steps += 1
-        items.sort(key=lambda item: item.num_tokens == 1)
+        items = [i for i in items if i.num_tokens != 1] + [i for i in items if i.num_tokens == 1]
         return ScheduledBatch(self.steps, tuple(items))
 
     def _schedule_isolated(self) -> ScheduledBatch | None:
@@ -194,7 +196,7 @@ class Scheduler:
     def _rebalance(self) -> None:
         """Free running slots for waiting clients: paused sequences first, then the newest
         sequence of a client running at least two more than the waiting one."""
-        if len(self.running) < self.config.max_num_seqs:
+        if len(self.running) < self.config.max_num_seqs or not self.waiting:
             return
         counts = Counter(s.client for s in self.running)
         for candidate in self.waiting.heads(counts):

@@ -49,9 +49,9 @@ class IncrementalDetokenizer:
         return detok
 
     def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
         if self.stream is not None:
             return self.stream.step(self.backend, token_id) or ""
+        self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
@@ -79,8 +79,8 @@ class RequestText:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     eos_ids: frozenset[int]
-    text: str = ""               # all decoded text, held-back tail included
-    released: int = 0            # characters of `text` already handed out
+    held: str = ""               # decoded text not released yet: it may begin a stop string
+    released: int = 0            # characters handed out so far
     finished: str | None = None
     num_tokens: int = 0
     stops: StopMatcher | None = None
@@ -95,28 +95,36 @@ class RequestText:
         params = self.params
         if token_id in params.stop_token_ids or (token_id in self.eos_ids and not params.ignore_eos):
             self.finished = "stop"
-            return self._release(len(self.text))
+            return self._release(self.held)
         piece = self.detokenizer.push(token_id)
-        self.text += piece
-        stop_at = self.stops.feed(piece) if self.stops is not None else None
-        if stop_at is not None:
-            self.text = self.text[:stop_at]
-            self.finished = "stop"
-            return self._release(stop_at)
+        if self.stops is not None:
+            return self._append_with_stops(piece, reached_max_len)
         if self.num_tokens >= params.max_tokens or reached_max_len:
             self.finished = "length"
-            self.text += self.detokenizer.flush()
-            return self._release(len(self.text))
-        held = self.stops.held if self.stops is not None else 0
-        return self._release(len(self.text) - held)
+            piece += self.detokenizer.flush()
+        self.released += len(piece)          # without stop strings nothing is ever held
+        return piece
 
     def finish_early(self, reason: str) -> str:
         """End the request from outside (abort, error): release what is complete."""
         self.finished = reason
-        return self._release(len(self.text))
+        return self._release(self.held)
 
-    def _release(self, upto: int) -> str:
-        upto = max(upto, self.released)
-        chunk = self.text[self.released:upto]
-        self.released = upto
+    def _append_with_stops(self, piece: str, reached_max_len: bool) -> str:
+        text = self.held + piece             # starts at character `released` of all text
+        stop_at = self.stops.feed(piece)
+        if stop_at is not None:
+            self.finished = "stop"
+            return self._release(text[:max(stop_at - self.released, 0)])
+        if self.num_tokens >= self.params.max_tokens or reached_max_len:
+            self.finished = "length"
+            return self._release(text + self.detokenizer.flush())
+        keep = min(self.stops.held, len(text))
+        self.held = text[len(text) - keep:]
+        return self._release(text[:len(text) - keep], keep_held=True)
+
+    def _release(self, chunk: str, keep_held: bool = False) -> str:
+        if not keep_held:
+            self.held = ""
+        self.released += len(chunk)
         return chunk

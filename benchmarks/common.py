@@ -27,14 +27,19 @@ SHAPES = {
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "micro": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True),
 }
 
 
-def shaped_model(shape: str, max_positions: int = 40960, root: Path | None = None) -> Path:
+def shaped_model(shape: str, max_positions: int = 40960, root: Path | None = None,
+                 vocab_size: int = 151936) -> Path:
     """A folder with a config.json of `shape`; load it with load_format="dummy"."""
-    folder = (root or Path(os.environ.get("TMPDIR", "/tmp"))) / f"astream-{shape}-{max_positions}"
+    name = f"astream-{shape}-{max_positions}" + ("" if vocab_size == 151936 else f"-v{vocab_size}")
+    folder = (root or Path(os.environ.get("TMPDIR", "/tmp"))) / name
     folder.mkdir(parents=True, exist_ok=True)
-    config = dict(model_type="qwen3", vocab_size=151936, head_dim=128 if shape != "tiny" else 32,
+    config = dict(model_type="qwen3", vocab_size=vocab_size,
+                  head_dim=32 if shape in ("tiny", "micro") else 128,
                   max_position_embeddings=max_positions, rms_norm_eps=1e-6, rope_theta=1e6,
                   bos_token_id=151643, eos_token_id=151645, **SHAPES[shape])
     (folder / "config.json").write_text(json.dumps(config))

@@ -16,6 +16,7 @@ from typing import Generator
 import torch
 
 from astream.executor.cuda_graphs import DecodeGraphs
+from astream.executor.decode_tables import DecodeTables
 from astream.executor.inputs import StepInputs, build_inputs
 from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
 from astream.executor.offload_graphs import OffloadDecodeGraphs
@@ -73,6 +74,7 @@ class ModelRunner:
     graphs: DecodeGraphs | OffloadDecodeGraphs | None = None
     offload: OffloadEngine | None = None
     tails: TailSlots | None = None
+    decode_tables: DecodeTables = field(default_factory=DecodeTables)   # kept between steps
 
     @property
     def scale(self) -> float:
@@ -90,7 +92,7 @@ class ModelRunner:
         if len(live) < len(batch.items):
             batch = ScheduledBatch(batch.step, live)
         device = self.runtime.device
-        inputs = build_inputs(batch, self.block_size, device)
+        inputs = build_inputs(batch, self.block_size, device, self.decode_tables)
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
         plan = None
         if self.offload is not None:

@@ -30,21 +30,28 @@ class SamplingBatch:
 
 def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: torch.device) -> SamplingBatch:
     rows = [item.seq for item in items if item.sample]
-    temps = [0.0 if seq.params.greedy else seq.params.temperature for seq in rows]
-    # Validated top_k fits int64; beyond the vocabulary it is the same as no top-k.
-    top_k = [min(seq.params.top_k, vocab_size) or vocab_size for seq in rows]
-    top_p = [seq.params.top_p for seq in rows]
-    seeded = [(row, _mix(seq.params.seed, seq.num_output_tokens))
-              for row, seq in enumerate(rows)
-              if seq.params.seed is not None and not seq.params.greedy]
-    any_top_k = any(k < vocab_size for k, t in zip(top_k, temps) if t > 0)
-    any_top_p = any(p < 1.0 for p, t in zip(top_p, temps) if t > 0)
+    if all(seq.params.greedy for seq in rows):        # the common case: nothing to send
+        return SamplingBatch(torch.zeros(len(rows), dtype=torch.float32, device=device),
+                             None, None, True, [])
+    temps, top_k, top_p, seeded = [], [], [], []
+    any_top_k = any_top_p = False
+    for row, seq in enumerate(rows):
+        params = seq.params
+        # Validated top_k fits int64; beyond the vocabulary it is the same as no top-k.
+        k = min(params.top_k, vocab_size) or vocab_size
+        temps.append(0.0 if params.greedy else params.temperature)
+        top_k.append(k)
+        top_p.append(params.top_p)
+        if not params.greedy:
+            any_top_k = any_top_k or k < vocab_size
+            any_top_p = any_top_p or params.top_p < 1.0
+            if params.seed is not None:
+                seeded.append((row, _mix(params.seed, seq.num_output_tokens)))
     return SamplingBatch(
         temperatures=to_device(temps, torch.float32, device),
         top_k=to_device(top_k, torch.int64, device) if any_top_k else None,
         top_p=to_device(top_p, torch.float32, device) if any_top_p else None,
-        all_greedy=all(t == 0 for t in temps),
-        seeded_rows=seeded)
+        all_greedy=False, seeded_rows=seeded)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:

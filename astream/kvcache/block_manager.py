@@ -17,7 +17,8 @@ class BlockOwner(Protocol):
     """What the block manager reads and writes of a sequence: its table of blocks, how many
     tokens are computed and how many leading blocks are published, and its token ids."""
 
-    block_table: list[int]
+    block_table: list[int]             # only appended to; release starts a new list (the
+                                       # executor copies unchanged tables from step to step)
     num_computed_tokens: int
     num_hashed_blocks: int
     num_pending: int                   # sampled tokens whose ids the host has not seen yet
@@ -90,11 +91,11 @@ class BlockManager:
         Only blocks whose KV a finished step wrote may be published: a block that is
         merely scheduled could be abandoned (abort) before it is ever computed.
         """
-        if not self.enable_prefix_caching:
-            return
+        start = seq.num_hashed_blocks
+        if not self.enable_prefix_caching or num_written < (start + 1) * self.block_size:
+            return                                          # no block newly full: most steps
         known = seq.num_tokens - seq.num_pending
         full = min(num_written, known, len(seq.block_table) * self.block_size) // self.block_size
-        start = seq.num_hashed_blocks
         prev_hash = self.blocks[seq.block_table[start - 1]].hash if start else None
         for index in range(start, full):
             block = self.blocks[seq.block_table[index]]

@@ -1,6 +1,6 @@
 """Per-request output channels: the engine's RequestSink, with delivery timing.
 
-Each request owns an unbounded memory stream, but the core counts what sits unread
+Each request owns an unbounded output queue, but the core counts what sits unread
 in it (`backlog`): when a consumer falls `stream_buffer_tokens` behind, its sequence
 is paused, and resumed once the consumer has read half of the backlog. Other
 requests never wait for it.
@@ -9,16 +9,13 @@ requests never wait for it.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-
 from astream.metrics import EngineMetrics
 from astream.outputs import Progress, StreamToken
+from astream.stages.output_queue import OutputQueue
 
 log = logging.getLogger("astream.requests")
 
@@ -33,8 +30,7 @@ class Rejected:
 @dataclass(slots=True)
 class RequestChannel:
     request_id: str
-    send: MemoryObjectSendStream
-    receive: MemoryObjectReceiveStream
+    queue: OutputQueue = field(default_factory=OutputQueue)   # read by the request's consumer
     submitted_at: float = field(default_factory=time.perf_counter)
     next_index: int = 0
     tokens_sent: int = 0                 # real tokens (the final marker of an abort is not one)
@@ -46,8 +42,7 @@ class RequestChannel:
 
     @classmethod
     def open(cls, request_id: str, metrics: EngineMetrics | None = None) -> "RequestChannel":
-        send, receive = anyio.create_memory_object_stream(math.inf)
-        return cls(request_id, send, receive, metrics=metrics)
+        return cls(request_id, metrics=metrics)
 
     # ---- the RequestSink protocol (called by the core) ------------------------------------
 
@@ -73,7 +68,7 @@ class RequestChannel:
 
     @property
     def backlog(self) -> int:
-        return self.receive.statistics().current_buffer_used
+        return len(self.queue.items)
 
     # ---- consumer side ----------------------------------------------------------------------
 
@@ -88,14 +83,10 @@ class RequestChannel:
     def _put(self, item: object, finish_reason: str | None) -> bool:
         if self.finish_reason is not None:
             return False
-        try:
-            self.send.send_nowait(item)
-            delivered = True
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            delivered = False                 # the consumer left; the request still ends here
+        delivered = self.queue.put(item)     # False: the consumer left; the request still ends here
         if finish_reason is not None:
             self.finish_reason = finish_reason
-            self.send.close()
+            self.queue.close()
             self._ended(finish_reason)
         return delivered
 
