@@ -1,8 +1,8 @@
 """Loading llama / qwen2 / qwen3 checkpoints from GGUF files.
 
-The header is read by `gguf_layout.read_header` (metadata and tensor positions,
-arrays skipped); the tensor data is memory-mapped, and tensors are dequantized one
-at a time with torch (`astream.models.dequant`), on the device the caller asks for,
+The header is read once by `gguf_layout.read_header` (metadata and tensor positions)
+and kept in the checkpoint. The tensor data is memory-mapped, and tensors are dequantized
+one at a time with torch (`astream.models.dequant`), on the device the caller asks for,
 and renamed and reshaped to the Hugging Face layout.
 """
 
@@ -227,6 +227,7 @@ class GGUFCheckpoint:
 
     path: str
     hf_config: dict
+    header: GGUFHeader | None = field(default=None, repr=False)   # parsed once, kept for the tokenizer
     _specs: tuple[_TensorSpec, ...] = field(default=(), repr=False)
     _data: np.ndarray | None = field(default=None, repr=False)  # the memory map the specs view
 
@@ -256,7 +257,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     # itself can never be modified.
     data = np.memmap(path, dtype=np.uint8, mode="c")
     specs = _tensor_specs(header, data, arch, cfg, path)
-    return GGUFCheckpoint(path=path, hf_config=cfg, _specs=specs, _data=data)
+    return GGUFCheckpoint(path=path, hf_config=cfg, header=header, _specs=specs, _data=data)
 
 
 def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
