@@ -21,7 +21,7 @@ from astream.models.dequant import SUPPORTED_QUANT_TYPES
 from astream.models.gguf_metadata import ArrayValue, Cursor, LayoutError, StringTable, read_metadata
 
 __all__ = ["SUPPORTED_GGUF_TENSOR_TYPES", "ArrayValue", "GGUFHeader", "StringTable", "TensorInfo",
-           "corrupt_file_error", "read_header", "unsupported_type_error", "validate_layout"]
+           "check_gguf_path", "corrupt_file_error", "read_header", "unsupported_type_error"]
 
 SUPPORTED_GGUF_TENSOR_TYPES = tuple(t.name for t in SUPPORTED_QUANT_TYPES)
 
@@ -92,9 +92,14 @@ def unsupported_type_error(path: str, tensor: str, type_name: str) -> ValueError
     )
 
 
-def validate_layout(path: str) -> None:
-    """Raise ValueError unless every header field and tensor lies inside the file."""
-    read_header(path)
+def check_gguf_path(path: str | os.PathLike) -> str:
+    """`path` as a string, or FileNotFoundError / ValueError when it is not a file."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF path {path} is not a regular file")
+    return path
 
 
 def read_header(path: str) -> GGUFHeader:

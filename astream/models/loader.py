@@ -27,7 +27,7 @@ ProgressFn = Callable[[int, int], None]   # (tensors loaded, total tensors)
 @dataclass(slots=True)
 class LoadedModel:
     decoder: Decoder
-    tokenizer: object            # a transformers tokenizer
+    tokenizer: object            # TextTokenizer (GGUF files) or a transformers tokenizer (folders)
     path: Path
 
 
@@ -91,7 +91,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
 
 def load_tokenizer(path: Path):
     if path.suffix == ".gguf":
-        from astream.models.gguf_loader import load_gguf_tokenizer
+        from astream.models.gguf_tokenizer import load_gguf_tokenizer
         return load_gguf_tokenizer(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
