@@ -134,6 +134,8 @@ def test_ids_and_text_match_autotokenizer(pair):
         ids = reference(text)["input_ids"]
         assert engine(text)["input_ids"] == ids, text
         assert engine(text).input_ids == engine.encode(text) == reference.encode(text)
+        assert (engine(text, return_offsets_mapping=True)["offset_mapping"]
+                == reference(text, return_offsets_mapping=True)["offset_mapping"])
         plain = reference.encode(text, add_special_tokens=False)
         assert engine.encode(text, add_special_tokens=False) == plain
         assert engine.decode(ids) == reference.decode(ids)
@@ -142,6 +144,8 @@ def test_ids_and_text_match_autotokenizer(pair):
         assert (engine.convert_ids_to_tokens(ids, skip_special_tokens=True)
                 == reference.convert_ids_to_tokens(ids, skip_special_tokens=True))
     assert engine(TEXTS, add_special_tokens=False) == dict(reference(TEXTS, add_special_tokens=False))
+    batch = dict(reference(TEXTS, return_offsets_mapping=True))
+    assert engine(TEXTS, return_offsets_mapping=True) == batch
 
 
 def test_special_tokens_and_vocabulary_match(pair):

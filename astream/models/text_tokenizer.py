@@ -140,13 +140,15 @@ class TextTokenizer:
 
     # ---- text <-> ids ------------------------------------------------------------------------
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoded:
-        if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
-            return Encoded(input_ids=ids, attention_mask=[1] * len(ids))
-        encodings = self.backend_tokenizer.encode_batch(list(text), add_special_tokens=add_special_tokens)
-        return Encoded(input_ids=[e.ids for e in encodings],
-                       attention_mask=[e.attention_mask for e in encodings])
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True,
+                 return_offsets_mapping: bool = False) -> Encoded:
+        batch = [text] if isinstance(text, str) else list(text)
+        encodings = self.backend_tokenizer.encode_batch(batch, add_special_tokens=add_special_tokens)
+        columns = {"input_ids": [e.ids for e in encodings],
+                   "attention_mask": [e.attention_mask for e in encodings]}
+        if return_offsets_mapping:
+            columns["offset_mapping"] = [e.offsets for e in encodings]
+        return Encoded({k: v[0] if isinstance(text, str) else v for k, v in columns.items()})
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
