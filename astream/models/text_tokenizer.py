@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -72,7 +72,7 @@ class Encoded(dict):
 
 @dataclass(slots=True)
 class TextTokenizer:
-    backend_tokenizer: Tokenizer
+    backend_tokenizer: Tokenizer = field(repr=False)   # its repr spells out the whole vocabulary
     spec: TokenizerSpec
 
     # ---- special tokens --------------------------------------------------------------------
