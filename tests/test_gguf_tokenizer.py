@@ -18,7 +18,7 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
 from astream.models.gguf_layout import read_header
-from astream.models.gguf_tokenizer import build_gguf_tokenizer
+from astream.models.gguf_tokenizer import build_gguf_tokenizer, load_gguf_tokenizer
 from astream.models.text_tokenizer import TextTokenizer
 
 TEXTS = ["Hello, world!", "  leading spaces\tand tabs\n\nnewlines", "def f(x):\n    return x**2  # sq",
@@ -210,3 +210,43 @@ def test_building_and_a_cached_load_never_import_transformers(smollm2_path, tmp_
     proc = subprocess.run([sys.executable, "-c", CHILD, str(smollm2_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def write_tiny_sentencepiece(path: Path) -> Path:
+    """A one-tensor llama GGUF with a SentencePiece ("llama") vocabulary: scores, byte tokens."""
+    pieces = ["\u2581", "a", "b", "c", "\u2581a", "ab", "\u2581ab", "bc", "h", "i", "\u2581h", "hi", "\u2581hi"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_block_count, 1), (w.add_context_length, 256),
+                       (w.add_embedding_length, 32), (w.add_feed_forward_length, 64),
+                       (w.add_head_count, 4), (w.add_head_count_kv, 2)):
+        add(value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_other_vocabulary_kinds_go_through_transformers_and_are_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASTREAM_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_sentencepiece(tmp_path / "spm.gguf")
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for _ in range(2):                                  # converted, then from the cache
+        engine = load_gguf_tokenizer(path)
+        for text in ["hi abc", " hi  a\nb", "é x", "<s>hi</s>"]:
+            ids = reference(text)["input_ids"]
+            assert engine(text)["input_ids"] == ids and ids[0] == 1          # BOS added
+            assert engine.decode(ids) == reference.decode(ids)
+            assert engine.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+        assert engine.all_special_ids == reference.all_special_ids
+        assert engine.chat_template == reference.chat_template
