@@ -169,7 +169,8 @@ class Engine:
 
     @property
     def tokenizer(self):
-        """The model's tokenizer (a transformers tokenizer)."""
+        """The model's tokenizer: a `TextTokenizer` for a GGUF file (transformers' interface,
+        without transformers), a transformers tokenizer for a folder."""
         if self.core is None:
             raise EngineClosedError("the engine is not running")
         return self.core.tokenizer

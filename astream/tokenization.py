@@ -36,11 +36,16 @@ class PromptBound:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             return cls(1, 0)
-        spec = json.loads(backend.to_str())
-        byte_level = "ByteLevel" in json.dumps(spec.get("pre_tokenizer"))
-        vocab = tokenizer.get_vocab()
-        longest = max((_token_bytes(token, byte_level) for token in vocab), default=1)
-        return cls(max(longest, 1), _shrink(spec.get("normalizer")))
+        # Only the two components are serialized: the whole tokenizer as JSON (its vocabulary
+        # and merges) would take half a second for 151K tokens.
+        byte_level = "ByteLevel" in _component_json(backend.pre_tokenizer)
+        normalizer = json.loads(_component_json(backend.normalizer))
+        vocab = backend.get_vocab(with_added_tokens=True)
+        if byte_level:                           # each byte is one character
+            longest = max(map(len, vocab), default=1)
+        else:
+            longest = max((_token_bytes(token) for token in vocab), default=1)
+        return cls(max(longest, 1), _shrink(normalizer))
 
     def min_tokens(self, prompt: object) -> int:
         if isinstance(prompt, (list, tuple)) and not all(isinstance(m, dict) for m in prompt):
@@ -56,9 +61,12 @@ class PromptBound:
         return size // (self.token_bytes * self.shrink)
 
 
-def _token_bytes(token: str, byte_level: bool) -> int:
-    if byte_level:
-        return len(token)                        # byte-level BPE spells each byte as one character
+def _component_json(component) -> str:
+    """A tokenizers component's JSON (what pickling it stores); "null" for none."""
+    return "null" if component is None else component.__getstate__().decode()
+
+
+def _token_bytes(token: str) -> int:
     if _BYTE_FALLBACK.fullmatch(token):
         return 1
     return len(token.replace("\u2581", " ").encode("utf-8", "surrogatepass"))
@@ -129,6 +137,11 @@ def stop_token_ids(tokenizer, config_eos: Seq[int]) -> tuple[int, ...]:
     ids = set(config_eos)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[marker] for marker in _END_OF_TURN if marker in vocab)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:                      # four lookups, not a copy of the vocabulary
+        found = [backend.token_to_id(marker) for marker in _END_OF_TURN]
+    else:
+        vocab = tokenizer.get_vocab()
+        found = [vocab.get(marker) for marker in _END_OF_TURN]
+    ids.update(i for i in found if i is not None)
     return tuple(sorted(ids))

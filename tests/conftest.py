@@ -29,8 +29,15 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
-    from astream.models.gguf_loader import load_gguf_tokenizer
+    from astream.models.gguf_tokenizer import load_gguf_tokenizer
     return load_gguf_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path):
+    """transformers' AutoTokenizer on the embedded file (about 5 s: built once)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-from astream.models.gguf_loader import SUPPORTED_GGUF_TENSOR_TYPES, load_gguf_tokenizer, read_gguf
+from astream.models.gguf_loader import SUPPORTED_GGUF_TENSOR_TYPES, read_gguf
+from astream.models.gguf_tokenizer import load_gguf_tokenizer
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's converter does to llama q/k rows (HF halves -> interleaved)."""

@@ -9,7 +9,8 @@ import gguf
 import pytest
 import torch
 
-from astream.models.gguf_loader import GGUFCheckpoint, load_gguf_tokenizer, read_gguf
+from astream.models.gguf_loader import GGUFCheckpoint, read_gguf
+from astream.models.gguf_tokenizer import load_gguf_tokenizer
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -129,12 +130,9 @@ def smollm_tokenizer(smollm_path):
     return load_gguf_tokenizer(smollm_path)
 
 
-def test_tokenizer_matches_transformers(smollm_path, smollm_tokenizer):
-    from transformers import AutoTokenizer
-
-    reference = AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+def test_tokenizer_matches_transformers(smollm_tokenizer, smollm2_reference):
     ids = smollm_tokenizer("Hello world").input_ids
-    assert ids == reference("Hello world").input_ids == [19556, 905]
+    assert ids == smollm2_reference("Hello world").input_ids == [19556, 905]
     prompt = smollm_tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
     )
@@ -143,13 +141,16 @@ def test_tokenizer_matches_transformers(smollm_path, smollm_tokenizer):
 
 
 def test_tokenizer_chat_template_falls_back_to_metadata(smollm_path, smollm_tokenizer, monkeypatch):
-    from transformers import AutoTokenizer
+    """A vocabulary kind left to transformers: without a template of its own, it takes the file's."""
+    from types import SimpleNamespace
 
-    smollm_tokenizer.chat_template, template = None, smollm_tokenizer.chat_template
-    try:
-        monkeypatch.setenv("ASTREAM_CACHE_DIR", "")              # convert, do not read a cache
-        monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: smollm_tokenizer)
-        tok = load_gguf_tokenizer(smollm_path)
-        assert tok.chat_template and "<|im_start|>" in tok.chat_template
-    finally:
-        smollm_tokenizer.chat_template = template
+    from astream.models import gguf_tokenizer
+    from astream.models.gguf_layout import read_header
+
+    converted = SimpleNamespace(backend_tokenizer=smollm_tokenizer.backend_tokenizer, chat_template=None,
+                                bos_token="<|im_start|>", eos_token="<|im_end|>", unk_token=None,
+                                pad_token=None, clean_up_tokenization_spaces=False)
+    monkeypatch.setattr(gguf_tokenizer, "_convert_tokenizer", lambda path, kind: converted)
+    tok = gguf_tokenizer._via_transformers(smollm_path, read_header(str(smollm_path)))
+    assert tok.chat_template == smollm_tokenizer.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.eos_token_id == 2 and tok.add_bos_token is False

@@ -1,9 +1,10 @@
 """Loading llama / qwen2 / qwen3 checkpoints from GGUF files.
 
-The header is read by `gguf_layout.read_header` (metadata and tensor positions,
-arrays skipped); the tensor data is memory-mapped, and tensors are dequantized one
-at a time with torch (`astream.models.dequant`), on the device the caller asks for,
-and renamed and reshaped to the Hugging Face layout.
+The header is read once by `gguf_layout.read_header` (metadata and tensor positions)
+and kept in the checkpoint, so the tokenizer (`gguf_tokenizer`) is built from it without
+reading the file again. The tensor data is memory-mapped, and tensors are dequantized one
+at a time with torch (`astream.models.dequant`), on the device the caller asks for, and
+renamed and reshaped to the Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -13,28 +14,23 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from astream.models.dequant import SUPPORTED_QUANT_TYPES, dequantize
-from astream.models.tokenizer_cache import load_cached_tokenizer, store_cached_tokenizer
 from astream.models.gguf_layout import (
     SUPPORTED_GGUF_TENSOR_TYPES,  # noqa: F401  (part of this module's API)
     ArrayValue,
     GGUFHeader,
+    check_gguf_path,
     corrupt_file_error,
     read_header,
     unsupported_type_error,
-    validate_layout,
 )
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +65,6 @@ _LAYER_TENSORS = MappingProxyType(
 # them from config.rope_scaling instead, which is not rebuilt here (we warn).
 _IGNORED_TENSORS = frozenset({"rope_freqs.weight"})
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def _check_path(path: str | os.PathLike) -> str:
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    if not os.path.isfile(path):
-        raise ValueError(f"GGUF path {path} is not a regular file")
-    return path
 
 
 # --------------------------------------------------------------------------
@@ -227,6 +214,7 @@ class GGUFCheckpoint:
 
     path: str
     hf_config: dict
+    header: GGUFHeader | None = field(default=None, repr=False)   # parsed once, kept for the tokenizer
     _specs: tuple[_TensorSpec, ...] = field(default=(), repr=False)
     _data: np.ndarray | None = field(default=None, repr=False)  # the memory map the specs view
 
@@ -248,7 +236,7 @@ class GGUFCheckpoint:
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Open a GGUF file, validate it, and map its metadata and tensors to HF form."""
-    path = _check_path(path)
+    path = check_gguf_path(path)
     header = read_header(path)
     arch = _architecture(header, path)
     cfg = _hf_config(header, arch, path)
@@ -256,49 +244,4 @@ def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     # itself can never be modified.
     data = np.memmap(path, dtype=np.uint8, mode="c")
     specs = _tensor_specs(header, data, arch, cfg, path)
-    return GGUFCheckpoint(path=path, hf_config=cfg, _specs=specs, _data=data)
-
-
-def load_gguf_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer stored in a GGUF file, with its chat template, via transformers.
-
-    Converting it reads the vocabulary and merges out of the file (about 2 s for 151K
-    tokens), so the result is kept in the user's cache folder (see `tokenizer_cache.py`)
-    and later loads read it from there.
-    """
-    path = _check_path(path)
-    cached = load_cached_tokenizer(path)
-    if cached is not None:
-        return cached
-    header = read_header(path)
-    try:
-        tok = _convert_tokenizer(Path(path), _field(header, "tokenizer.ggml.model"))
-    except Exception:
-        validate_layout(path)  # a malformed file gets our clear message instead
-        raise
-    if not tok.chat_template:
-        template = _field(header, "tokenizer.chat_template")
-        if template:
-            tok.chat_template = template
-    store_cached_tokenizer(path, tok)
-    return tok
-
-
-def _convert_tokenizer(path: Path, tokenizer_model: str | None) -> PreTrainedTokenizerBase:
-    """transformers' conversion of the file's tokenizer.
-
-    AutoTokenizer first builds the model's whole config to learn the tokenizer class, and
-    for these architectures transformers reads it with its per-field GGUF reader: 8-16 s
-    for 49K-151K tokens, more than the conversion itself. A byte-level BPE vocabulary
-    ("gpt2", what Llama-3-style, SmolLM2 and Qwen files carry) converts to the same backend
-    under the generic fast-tokenizer class (tests/test_gguf_tokenizer.py compares them);
-    any other kind keeps AutoTokenizer's class.
-    """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if tokenizer_model == "gpt2":
-        try:
-            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-        except Exception as exc:           # another transformers version: take the long way
-            logger.info("generic GGUF tokenizer conversion failed (%s); using AutoTokenizer", exc)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return GGUFCheckpoint(path=path, hf_config=cfg, header=header, _specs=specs, _data=data)

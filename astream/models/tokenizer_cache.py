@@ -1,8 +1,10 @@
-"""A disk cache of tokenizers converted from GGUF files.
+"""A disk cache of the tokenizers built from GGUF files.
 
-The key covers the file (path, size, modification time and a hash of its first MiB,
-where the tokenizer metadata lives) and the converting libraries' versions, so an edited
-file or an upgraded converter builds afresh. The folder is $ASTREAM_CACHE_DIR, else
+An entry is the folder `TextTokenizer.save_pretrained` writes (tokenizer.json and
+tokenizer_config.json), read back without transformers. The key covers the file (path,
+size, modification time and a hash of its metadata bytes, where the tokenizer lives), the
+`tokenizers` version and how the tokenizer was built (`recipe`), so an edited file or an
+upgraded builder builds afresh. The folder is $ASTREAM_CACHE_DIR, else
 $XDG_CACHE_HOME/astream, else ~/.cache/astream; set ASTREAM_CACHE_DIR to "" to disable it.
 A cache that cannot be read or written is skipped, never an error.
 """
@@ -16,10 +18,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+import tokenizers
 
-_HEADER_BYTES = 1 << 20
-_MARKER = "tokenizer_config.json"
+from astream.models.gguf_layout import GGUFHeader
+from astream.models.text_tokenizer import CONFIG_FILE, TextTokenizer
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path | None:
@@ -30,51 +34,48 @@ def cache_root() -> Path | None:
     return Path(base) / "astream"
 
 
-def _entry(path: str) -> Path | None:
+def cache_entry(path: str, header: GGUFHeader, recipe: str) -> Path | None:
+    """The folder holding this file's tokenizer, or None when the cache is disabled."""
     root = cache_root()
     if root is None:
         return None
-    import tokenizers
-    import transformers
-
     stat = os.stat(path)
-    digest = hashlib.sha256()
-    digest.update(f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|"
-                  f"{transformers.__version__}|{tokenizers.__version__}|".encode())
-    with open(path, "rb") as fh:
-        digest.update(fh.read(_HEADER_BYTES))
-    return root / "tokenizers" / digest.hexdigest()[:32]
+    key = (f"{os.path.abspath(path)}|{stat.st_size}|{stat.st_mtime_ns}|{header.metadata_digest}|"
+           f"tokenizers {tokenizers.__version__}|{recipe}")
+    return root / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def load_cached_tokenizer(path: str):
+def load_cached_tokenizer(path: str, header: GGUFHeader, recipe: str) -> TextTokenizer | None:
     """The tokenizer saved for this exact file, or None."""
     entry = None
     try:
-        entry = _entry(path)
-        if entry is None or not (entry / _MARKER).is_file():
+        entry = cache_entry(path, header, recipe)
+        if entry is None or not (entry / CONFIG_FILE).is_file():
             return None
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(entry))
-    except Exception as exc:                 # a damaged entry: drop it, convert again
+        return TextTokenizer.from_folder(entry)
+    except Exception as exc:                 # a damaged entry: drop it, build again
         logger.warning("ignoring the cached tokenizer of %s: %s", path, exc)
         if entry is not None:
             shutil.rmtree(entry, ignore_errors=True)
         return None
 
 
-def store_cached_tokenizer(path: str, tokenizer) -> None:
-    """Save a converted tokenizer for later loads (atomically: a folder renamed into place)."""
+def store_cached_tokenizer(path: str, header: GGUFHeader, recipe: str,
+                           tokenizer: TextTokenizer) -> None:
+    """Save a built tokenizer for later loads (atomically: a folder renamed into place)."""
     try:
-        entry = _entry(path)
+        entry = cache_entry(path, header, recipe)
         if entry is None:
             return
         entry.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=entry.parent))
-        tokenizer.save_pretrained(str(staging))
         try:
-            os.replace(staging, entry)
-        except OSError:                      # another process won the race: keep theirs
+            tokenizer.save_pretrained(staging)
+            try:
+                os.replace(staging, entry)
+            except OSError:                  # another process won the race: keep theirs
+                pass
+        finally:                             # nothing left after the rename; else the pieces
             shutil.rmtree(staging, ignore_errors=True)
     except Exception as exc:
         logger.warning("could not cache the tokenizer of %s: %s", path, exc)
