@@ -224,5 +224,6 @@ class OffloadDecodeGraphs:
     def _gathered_ring(self, host: DecodeContext) -> GatheredRing:
         """Every offloaded layer's whole host context, packed into a ring slot a layer ahead."""
         nblocks = (host.context_lens // self.engine.block_size).to(torch.int32)
-        return self.engine.gathered_ring(host.block_tables, nblocks, self.sparse_layers, self.side)
+        return GatheredRing.started(self.engine, host.block_tables, nblocks, self.sparse_layers,
+                                    self.side)
 

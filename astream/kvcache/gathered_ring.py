@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 
 from astream.kvcache.offload_engine import OffloadEngine, RingSlot
-from astream.ops.block_gather import gather_blocks
+from astream.ops.block_gather import gather_blocks, packed_block_table
 from astream.runtime.events import Event
 
 GATHER_SLOTS = 2
@@ -41,6 +41,16 @@ class GatheredRing:
     free: list[Event | None] = field(default_factory=lambda: [None] * GATHER_SLOTS)
     issued: int = 0
     done: int = 0
+
+    @classmethod
+    def started(cls, engine: OffloadEngine, tables: torch.Tensor, nblocks: torch.Tensor,
+                layers: list[int], side: torch.cuda.Stream | None) -> GatheredRing:
+        """A captured step's ring over `engine`'s host pool: each of `layers` gathered whole
+        (rows' first nblocks blocks of tables), started, with its first loads queued."""
+        ring = cls(engine, tables, nblocks, packed_block_table(nblocks, tables.shape[1]),
+                   layers, side)
+        ring.start()
+        return ring
 
     def start(self) -> None:
         """Fork the side stream from the compute stream and gather the first layers."""

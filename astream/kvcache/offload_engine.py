@@ -19,9 +19,7 @@ captured decode step, `send_tails` and `wait_offloads` do its ordering from outs
 `tails` (the device tails a layer's decode attends to), `loads` (one step's loads into
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
 when the caller is done with it, and the next load starts), `gather_pages` (chosen
-pages of a layer's host KV, read in place by the device), `gathered_ring` (a captured
-decode step's whole contexts, read in place into ring slots a layer ahead),
-`context_loads` (whole prefixes, for a sparse prefill policy, a layer ahead),
+pages of a layer's host KV, read in place by the device), `context_loads` (whole prefixes, for a sparse prefill policy, a layer ahead),
 `pending_offloads`, and `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
 
@@ -36,7 +34,7 @@ Three streams, ordered only by events, never by the host:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -44,15 +42,10 @@ from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.kv_format import KVFormat, KVScales, as_bytes
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
-from astream.ops.block_gather import packed_block_table
 from astream.ops.quest import gather_pages
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 from astream.runtime.pinned import PinnedHostTensor
-
-if TYPE_CHECKING:
-    from astream.kvcache.gathered_ring import GatheredRing
-
 
 class Run(NamedTuple):
     """A copy of `count` consecutive blocks, from block `src` of one buffer to block `dst`
@@ -239,18 +232,6 @@ class OffloadEngine:
         dv = torch.empty_like(dk)
         gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
         return dk, dv
-
-    def gathered_ring(self, tables: torch.Tensor, nblocks: torch.Tensor, layers: list[int],
-                      side: torch.cuda.Stream | None) -> GatheredRing:
-        """A captured decode step's host KV: each of `layers` gathered whole (rows' first
-        nblocks blocks of tables) into a ring slot by a device kernel, a layer ahead on
-        `side` (kvcache.gathered_ring); started, with its first loads queued."""
-        from astream.kvcache.gathered_ring import GatheredRing
-
-        ring = GatheredRing(self, tables, nblocks, packed_block_table(nblocks, tables.shape[1]),
-                            layers, side)
-        ring.start()
-        return ring
 
     def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:
         """One step's whole prefixes (host block runs -> packed key rows) for `layers`, in

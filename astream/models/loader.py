@@ -94,13 +94,18 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
 
 
 def load_tokenizer(path: Path, header: GGUFHeader | None = None):
-    """A GGUF file's tokenizer (`header`: the file's, if already parsed), or a folder's via
+    """A GGUF file's tokenizer (`header`: the file's, if already parsed), or a folder's:
+    from its tokenizer.json alone where that holds the whole pipeline, else via
     transformers."""
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path does not exist: {path}")
     if path.suffix == ".gguf":
         from astream.models.gguf_tokenizer import load_gguf_tokenizer
         return load_gguf_tokenizer(path, header)
+    from astream.models.folder_tokenizer import load_folder_tokenizer
+    tokenizer = load_folder_tokenizer(path)
+    if tokenizer is not None:
+        return tokenizer
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 
