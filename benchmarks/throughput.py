@@ -75,6 +75,8 @@ def main() -> None:
     parser.add_argument("--subset", type=int, default=16)
     parser.add_argument("--subset-max-out", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=1, help="runs of the workload on one engine")
+    parser.add_argument("--warmup-runs", type=int, default=0,
+                        help="untimed runs of the workload first (prefill plans, the prefix cache)")
     parser.add_argument("--fresh-prompts", action="store_true",
                         help="new random prompts every run (the prefix cache cannot serve a repeat)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers subset")
@@ -99,13 +101,15 @@ def main() -> None:
         key = shape if len(kv_dtypes) == 1 else f"{shape}@{kv}"
         with LLM(str(folder), **kw) as llm:
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
+            warmups = [astream_run(llm, work)["output_tok_s"] for _ in range(args.warmup_runs)]
             runs = [astream_run(llm, random_workload(num, 100, 1024, 100, 1024, seed=rep)
                                 if args.fresh_prompts and rep and not args.smoke else work)
                     for rep in range(args.repeat)]
             results[key] = {"astream": runs[len(runs) // 2] if args.repeat == 1 else
                             {**spread([r["output_tok_s"] for r in runs]), "runs": runs},
                             "astream_subset": astream_run(llm, subset),
-                            "kv_blocks": llm.stats()["kv_blocks_total"]}
+                            "kv_blocks": llm.stats()["kv_blocks_total"],
+                            "untimed_warmup_tok_s": warmups}
             if args.repeat > 1:
                 results[key]["astream"]["output_tok_s"] = results[key]["astream"]["median"]
         gc.collect()

@@ -92,6 +92,29 @@ def test_uncached_blocks_are_allocated_before_cached_ones():
     assert kept not in other.block_table
 
 
+def test_blocks_exist_only_once_handed_out_and_reuse_order_is_kept():
+    bm = BlockManager(1_000_000, 4)
+    assert bm.num_free == 1_000_000 and len(bm.blocks) == 0
+    cached = seq("cached", [1, 2, 3, 4, 5])
+    bm.grow(cached, 5)                                   # blocks 0, 1
+    cached.num_computed_tokens = 5
+    bm.register_full_blocks(cached, 5)                   # block 0 now holds a prefix
+    scratch = seq("scratch", list(range(8)))
+    bm.grow(scratch, 8)                                  # blocks 2, 3 (never hashed)
+    bm.release(cached)
+    bm.release(scratch)
+    assert bm.num_free == 1_000_000 and len(bm.blocks) == 4
+    taker = seq("taker", list(range(100, 124)))
+    bm.grow(taker, 24)
+    # a freed block with nothing to keep first, then its successors (one copy of many
+    # blocks), never-used ones included; the cached prefix stays
+    assert taker.block_table == [2, 3, 4, 5, 6, 7]
+    other = seq("other", list(range(200, 208)))
+    bm.grow(other, 8)
+    assert other.block_table == [1, 8]
+    assert bm.reuse_cached_prefix(seq("again", [1, 2, 3, 4, 9])) == 4
+
+
 def test_blocks_come_in_ascending_runs_after_reuse():
     bm = BlockManager(64, 4, enable_prefix_caching=False)
     first = seq("a", list(range(40)))

@@ -4,6 +4,9 @@ A full block is identified by a hash chained over every token before it, so two
 sequences share a block only when their whole prefixes agree. Freed blocks keep
 their hash and stay reusable until the allocator needs them for something else
 (least recently freed first).
+
+Blocks come into being when first handed out (ids ascending from 0): a cache of hundreds
+of thousands of blocks costs nothing until it is used, not a second of engine start-up.
 """
 
 from __future__ import annotations
@@ -42,19 +45,15 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
-    blocks: list[Block] = field(init=False)
-    free: OrderedDict = field(init=False)            # block_id -> None, least recently freed first
-    cached: dict[int, int] = field(init=False)       # hash -> block_id
+    blocks: list[Block] = field(default_factory=list)      # every block handed out so far
+    free: OrderedDict = field(default_factory=OrderedDict)  # block_id -> None, of those: the
+                                                            # unhashed first, then least recently freed
+    cached: dict[int, int] = field(default_factory=dict)    # hash -> block_id
     prefix_hits: int = 0                             # blocks reused from the cache, for stats
-
-    def __post_init__(self) -> None:
-        self.blocks = [Block(i) for i in range(self.num_blocks)]
-        self.free = OrderedDict((i, None) for i in range(self.num_blocks))
-        self.cached = {}
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - len(self.blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -124,10 +123,18 @@ class BlockManager:
 
     def _pick(self, wanted: int | None) -> int:
         # Consecutive ids make one copy of many blocks when KV moves between host and
-        # device; otherwise take the least recently freed block.
-        if wanted is not None and wanted in self.free:
-            return wanted
-        return next(iter(self.free))
+        # device. Otherwise: a freed block with nothing to keep, else a never-used one,
+        # else the least recently freed (its prefix is the least likely to come back).
+        fresh = len(self.blocks)
+        if wanted is not None and (wanted in self.free or wanted == fresh < self.num_blocks):
+            block_id = wanted
+        else:
+            first = next(iter(self.free), None)
+            usable = first is not None and self.blocks[first].hash is None
+            block_id = first if usable or fresh == self.num_blocks else fresh
+        if block_id == fresh:
+            self.blocks.append(Block(fresh))
+        return block_id
 
     def release(self, seq: BlockOwner) -> None:
         """Drop seq's references; blocks nobody holds return to the free list.
@@ -151,7 +158,7 @@ class BlockManager:
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free[block_id]
+            self.free.pop(block_id, None)                   # absent: never used before
         block.ref_count += 1
 
     def _evict(self, block_id: int) -> None:
