@@ -169,8 +169,9 @@ class Engine:
 
     @property
     def tokenizer(self):
-        """The model's tokenizer: a `TextTokenizer` for a GGUF file (transformers' interface,
-        without transformers), a transformers tokenizer for a folder."""
+        """The model's tokenizer: a `TextTokenizer` (the part of transformers' interface
+        astream uses, without transformers) for GGUF files and for folders whose
+        tokenizer.json holds the whole pipeline, else a transformers tokenizer."""
         if self.core is None:
             raise EngineClosedError("the engine is not running")
         return self.core.tokenizer

@@ -101,7 +101,9 @@ def main() -> None:
         key = shape if len(kv_dtypes) == 1 else f"{shape}@{kv}"
         with LLM(str(folder), **kw) as llm:
             llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
-            warmups = [astream_run(llm, work)["output_tok_s"] for _ in range(args.warmup_runs)]
+            warmups = [astream_run(llm, random_workload(num, 100, 1024, 100, 1024, seed=1000 + w)
+                                   if args.fresh_prompts and not args.smoke else work)["output_tok_s"]
+                       for w in range(args.warmup_runs)]   # fresh: not the timed runs' prompts
             runs = [astream_run(llm, random_workload(num, 100, 1024, 100, 1024, seed=rep)
                                 if args.fresh_prompts and rep and not args.smoke else work)
                     for rep in range(args.repeat)]

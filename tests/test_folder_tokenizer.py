@@ -54,16 +54,39 @@ def test_special_tokens_written_as_added_token_dicts_are_read(hf_folder, tmp_pat
     assert load_folder_tokenizer(tmp_path).eos_token_id == want.eos_token_id
 
 
-@pytest.mark.parametrize("change", [{"tokenizer_class": "LlamaTokenizerFast"},
-                                    {"add_bos_token": True}, {"add_prefix_space": True},
-                                    {"chat_template": [{"name": "default", "template": "x"}]}])
-def test_folders_whose_pipeline_transformers_rewrites_go_through_it(hf_folder, tmp_path, change):
-    folder, _ = hf_folder
+def _altered_copy(folder, tmp_path, change: dict, drop: tuple[str, ...] = ()) -> None:
     (tmp_path / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
     config = {**json.loads((folder / "tokenizer_config.json").read_text()), **change}
+    for key in drop:
+        config.pop(key, None)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change, drop", [
+    ({"tokenizer_class": "LlamaTokenizerFast"}, ()),
+    ({"add_bos_token": True}, ()), ({"add_prefix_space": True}, ()),
+    ({"split_special_tokens": True}, ()),                       # special strings as plain text
+    ({"chat_template": [{"name": "default", "template": "x"}]}, ()),
+    ({"tokenizer_class": "Qwen2Tokenizer"}, ("unk_token",)),    # the class's default fills it
+])
+def test_folders_that_transformers_would_change_go_through_it(hf_folder, tmp_path, change, drop):
+    _altered_copy(hf_folder[0], tmp_path, change, drop)
     assert load_folder_tokenizer(tmp_path) is None
     assert not isinstance(load_tokenizer(tmp_path), TextTokenizer)     # transformers' own
+
+
+def test_several_chat_templates_or_an_old_special_tokens_map_go_through_transformers(hf_folder,
+                                                                                    tmp_path):
+    _altered_copy(hf_folder[0], tmp_path, {})
+    assert isinstance(load_folder_tokenizer(tmp_path), TextTokenizer)
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("TOOLS")
+    assert load_folder_tokenizer(tmp_path) is None
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").unlink()
+    (tmp_path / "additional_chat_templates").rmdir()
+    _altered_copy(hf_folder[0], tmp_path, {}, drop=("added_tokens_decoder",))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert load_folder_tokenizer(tmp_path) is None                     # the map would win there
 
 
 def test_loading_a_folder_tokenizer_never_imports_transformers(hf_folder):

@@ -3,9 +3,14 @@ holds the whole pipeline: importing transformers costs 2-9 s of a fresh process 
 H100 machine most of a Qwen3-4B folder's load, docs/BENCHMARKS.md).
 
 That is so for the generic fast classes and the byte-level BPE families (GPT-2, Qwen2),
-unless the config asks transformers to rewrite the pipeline (add_bos_token / add_eos_token
-rebuild the post-processor, add_prefix_space the pre-tokenizer). Any other folder returns
-None and goes through transformers, as before.
+unless transformers would change what the file says:
+- add_bos_token / add_eos_token rebuild the post-processor, add_prefix_space the
+  pre-tokenizer, split_special_tokens encodes special tokens as plain text;
+- a family class fills special tokens the config leaves out with its own defaults;
+- a config saved without added_tokens_decoder (before transformers 4.34) lets
+  special_tokens_map.json override it;
+- several chat templates (additional_chat_templates/) are chosen between by the caller.
+Any such folder returns None and goes through transformers.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ from tokenizers import Tokenizer
 
 from astream.models.text_tokenizer import CONFIG_FILE, TOKENIZER_FILE, TextTokenizer, TokenizerSpec
 
-PIPELINE_IN_FILE = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend", "GPT2Tokenizer",
-                              "GPT2TokenizerFast", "Qwen2Tokenizer", "Qwen2TokenizerFast"})
-REWRITES_PIPELINE = ("add_bos_token", "add_eos_token", "add_prefix_space")
+GENERIC_CLASSES = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+FAMILY_CLASSES = frozenset({"GPT2Tokenizer", "GPT2TokenizerFast", "Qwen2Tokenizer",
+                            "Qwen2TokenizerFast"})
+REWRITES_PIPELINE = ("add_bos_token", "add_eos_token", "add_prefix_space", "split_special_tokens")
 NAMED = ("bos_token", "eos_token", "unk_token", "pad_token")
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATES_FOLDER = "additional_chat_templates"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 
 
@@ -30,10 +37,15 @@ def load_folder_tokenizer(folder: Path) -> TextTokenizer | None:
     config = _json(folder / CONFIG_FILE)
     if not (folder / TOKENIZER_FILE).is_file() or not isinstance(config, dict):
         return None
-    if config.get("tokenizer_class") not in PIPELINE_IN_FILE or any(config.get(k) for k in REWRITES_PIPELINE):
+    if not _pipeline_as_written(folder, config):
         return None
     special = _json(folder / SPECIAL_MAP_FILE)
     special = special if isinstance(special, dict) else {}
+    if special and "added_tokens_decoder" not in config:
+        return None
+    if config["tokenizer_class"] in FAMILY_CLASSES and any(
+            name not in config and name not in special for name in NAMED):
+        return None
     tokens = {name: _content(config.get(name, special.get(name))) for name in NAMED}
     template = _chat_template(folder, config)
     if template is False:
@@ -41,6 +53,13 @@ def load_folder_tokenizer(folder: Path) -> TextTokenizer | None:
     spec = TokenizerSpec(**tokens, chat_template=template, clean_up_tokenization_spaces=bool(
         config.get("clean_up_tokenization_spaces", False)))
     return TextTokenizer(Tokenizer.from_file(str(folder / TOKENIZER_FILE)), spec)
+
+
+def _pipeline_as_written(folder: Path, config: dict) -> bool:
+    """Whether transformers would use tokenizer.json as it is, with one chat template."""
+    known = config.get("tokenizer_class") in GENERIC_CLASSES | FAMILY_CLASSES
+    return (known and not any(config.get(key) for key in REWRITES_PIPELINE)
+            and not (folder / TEMPLATES_FOLDER).is_dir())
 
 
 def _json(path: Path) -> object:

@@ -30,7 +30,7 @@ ProgressFn = Callable[[int, int], None]   # (tensors loaded, total tensors)
 @dataclass(slots=True)
 class LoadedModel:
     decoder: Decoder
-    tokenizer: object            # TextTokenizer (GGUF files) or a transformers tokenizer (folders)
+    tokenizer: object            # TextTokenizer, or a transformers tokenizer where one is needed
     path: Path
 
 
