@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import save  # noqa: I001
+from common import cuda_times_ms, percentile, save  # noqa: I001
 from astream.ops.block_gather import packed_block_table
 from astream.ops.triton_block_gather import gather_blocks_triton
 
@@ -20,17 +20,7 @@ BLOCK, KV_HEADS, DIM = 256, 8, 128
 
 
 def median_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return percentile(cuda_times_ms(fn, reps), 50)
 
 
 def main() -> None:

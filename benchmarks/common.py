@@ -80,6 +80,21 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def cuda_times_ms(fn, reps: int) -> list[float]:
+    """Milliseconds of each of `reps` calls of fn, timed with CUDA events after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from common import percentile, save, shaped_model, smollm2  # noqa: I001
+from common import cuda_times_ms, percentile, save, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.executor.inputs import varlen_meta
@@ -81,19 +81,6 @@ def kernel_errors(device: str, sets: dict, smoke: bool) -> list[dict]:
     return rows
 
 
-def time_ms(fn, reps: int) -> list[float]:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def part(name: str, backends: AttentionBackends, q, k, v, meta, causal: bool):
     """One prefill part on the named kernels; cuDNN whatever the part's size (below the
     engine's CUDNN_MIN_QUERIES too, to find where it starts to pay)."""
@@ -109,7 +96,7 @@ def kernel_speed(sets: dict, reps: int, cases: list) -> list[dict]:
     for i, (n_q, prefix, causal) in enumerate(cases):
         q, k, v, meta = inputs(n_q, prefix, causal, "cuda", torch.bfloat16, seed=100 + i)
         for name, backends in sets.items():
-            times = time_ms(lambda: part(name, backends, q, k, v, meta, causal), reps)
+            times = cuda_times_ms(lambda: part(name, backends, q, k, v, meta, causal), reps)
             ms = percentile(times, 50)
             rows.append({"queries": n_q, "prefix": prefix, "causal": causal, "kernels": name,
                          "ms_min": round(min(times), 3), "ms": round(ms, 3),

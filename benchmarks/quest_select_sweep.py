@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from common import save  # noqa: I001
+from common import cuda_times_ms, save  # noqa: I001
 from astream.ops import triton_quest_select as tqs
 
 BLOCK, PAGE, KV_HEADS, GROUP, DIM = 256, 16, 8, 4, 128
@@ -47,14 +47,7 @@ def time_graph(fn, reps: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(20):
             fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / 20)
+    times = [ms * 1e3 / 20 for ms in cuda_times_ms(graph.replay, reps)]
     return round(sorted(times)[len(times) // 2], 1)
 
 

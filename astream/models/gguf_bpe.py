@@ -130,7 +130,7 @@ def _add_tokens(tok: Tokenizer, tokens: list[str], types: list[int], alphabet: f
     user = [t for t, kind in zip(tokens, types) if kind == _USER_DEFINED and t in vocab]
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     added = set(control) | set(user)
-    named = [t for t in dict.fromkeys(spec.named_tokens()) if t not in added]
+    named = [t for t in spec.named_tokens() if t not in added]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named])
 
 
