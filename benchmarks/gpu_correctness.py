@@ -125,9 +125,12 @@ def main() -> None:
                 print("fused vs reference kernels:", results["fused_vs_reference_kernels"], flush=True)
             outs = llm.generate([r["prompt_ids"] for r in reference], params)
             graph_steps = llm.stats()["graph_steps"]
-            if name == "gpu_bf16_graphs":
-                results["graph_sampling"] = graph_sampling(llm, reference, [o.token_ids for o in outs])
-                print("sampling inside the graphs:", results["graph_sampling"], flush=True)
+            # Sampling at the end of one graph (resident), and after a chain of them (offload, Full).
+            key = {"gpu_bf16_graphs": "graph_sampling",
+                   "gpu_bf16_offload16_graphs": "graph_sampling_offload16"}.get(name)
+            if key is not None:
+                results[key] = graph_sampling(llm, reference, [o.token_ids for o in outs])
+                print(f"sampling inside the graphs ({name}):", results[key], flush=True)
             results[name] = [{"identical": ref["tokens"] == out.token_ids, "text": out.text,
                               "divergence": divergence(llm, ref["prompt_ids"], ref["tokens"], out.token_ids)}
                              for ref, out in zip(reference, outs)]

@@ -46,18 +46,14 @@ def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = 
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
     core.runner.decoder.kernels = LayerKernels(kernels)
-    # Graphs bake the selection and the kernels in: capture again (with offload, Full has none: it reads
-    # through the ring, eagerly). --eager keeps every step eager.
+    # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
     core.runner.graphs = None
     gc.collect()
     core.runner.graphs = graphs = build_graphs(core.config, core.plan, core.runner)
-    # With offload, a policy that never selects (Full) gathers whole contexts from graphs
-    # only for small layers; "never" / "always" measure either path alone.
-    if graphs is not None and getattr(graphs, "dense", False):
-        if dense_graphs == "never":
-            core.runner.graphs = None
-        elif dense_graphs == "always":
-            graphs.dense_max_layer_bytes = 1 << 62
+    # With offload, a policy that never selects (Full) loads whole contexts between a chain of
+    # graphs; "never" measures the eager ring instead.
+    if graphs is not None and getattr(graphs, "dense", False) and dense_graphs == "never":
+        core.runner.graphs = None
 
 
 def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int,
@@ -125,7 +121,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--skip", default="", help="resident and/or offload")
-    parser.add_argument("--cases", default="", help="only these CTXxBATCH cases, e.g. 131072x1")
+    parser.add_argument("--cases", default="", help="these CTXxBATCH cases instead, e.g. 4096x1,131072x1")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
     parser.add_argument("--budgets", default="", help="only these budgets, e.g. full,4096")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
@@ -135,8 +131,8 @@ def main() -> None:
                         help="decoder kernels to run in turn on each engine, e.g. reference,triton "
                              "(default: the engine's own choice)")
     parser.add_argument("--dense-graphs", default="auto",
-                        help="offload Full from CUDA graphs: auto (the engine's rule), never, "
-                             "always, or several in turn, e.g. never,always")
+                        help="offload Full: auto (the engine's rule: a chain of graphs) or never "
+                             "(the eager ring), or both in turn: never,auto")
     parser.add_argument("--name", default=None, help="results file name")
     args = parser.parse_args()
     kernel_sets = [k for k in args.layer_kernels.split(",") if k]
@@ -153,9 +149,7 @@ def main() -> None:
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
     if args.cases:
-        wanted = {tuple(map(int, case.split("x"))) for case in args.cases.split(",")}
-        resident_cases = [case for case in resident_cases if case in wanted]
-        offload_cases = [case for case in offload_cases if case in wanted]
+        resident_cases = offload_cases = [tuple(map(int, case.split("x"))) for case in args.cases.split(",")]
     steps = 3 if smoke else args.steps
     name = args.name or ("quest_speed_eager" if args.eager else "quest_speed")
     results = {"shape": shape, "steps_timed": steps, "resident": [], "offload": []}
@@ -183,7 +177,7 @@ def summarize(results: dict) -> None:
     resident = {(r["context"], r["batch"], r["layer_kernels"]): r["step_ms"]
                 for r in results.get("resident", []) if r["budget"] == "full" and r["kv"] == first}
     print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
-          f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}{'graph':>7}")
+          f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}{'graph':>7}{'dense':>8}")
     for mode in ("resident", "offload"):
         for r in results.get(mode, []):
             ref = resident.get((r["context"], r["batch"], r["layer_kernels"]))
@@ -192,7 +186,7 @@ def summarize(results: dict) -> None:
             print(f"{mode:<9}{r['layer_kernels']:>10}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}"
                   f"{spread:>26}{ratio:>17}"
                   f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}"
-                  f"{r.get('graph_steps', 0):>7}")
+                  f"{r.get('graph_steps', 0):>7}{r.get('dense_graphs', '-'):>8}")
 
 
 if __name__ == "__main__":

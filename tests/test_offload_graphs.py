@@ -82,8 +82,9 @@ def with_dense_graphs(llm: LLM, max_batch: int, **kw) -> OffloadDecodeGraphs:
 
 
 def test_full_offload_steps_from_static_buffers_give_the_eager_ring_tokens():
-    """Full with offload: each layer's whole host context gathered into a ring slot by the
-    static program gives the eager ring's tokens, moves the same bytes, returns every block."""
+    """Full with offload: each layer's whole host context copied into a ring slot at the
+    chain's cuts, around the static program, gives the eager ring's tokens, moves the same
+    bytes, returns every block."""
     with LLM(**KW) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
         eager_loaded = llm.stats()["offload_bytes_loaded"]
@@ -98,22 +99,24 @@ def test_full_offload_steps_from_static_buffers_give_the_eager_ring_tokens():
     assert got == want
 
 
-def test_dense_steps_too_large_for_a_slot_or_the_byte_limit_run_eagerly():
-    """A step whose layer is larger than the limit, or whose host blocks do not fit one ring
-    slot, reads through the eager ring; the others run from the static buffers."""
+def test_dense_steps_whose_host_blocks_overflow_a_slot_run_eagerly():
+    """A step whose host blocks do not fit one ring slot reads through the eager ring (over
+    several jobs a layer); the others run from the static buffers, and the tokens are the
+    eager ring's."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 33, 20, 12)]
-    with LLM(**KW) as llm:
+    small_slots = dict(KW, offload_slot_tokens=512)
+    with LLM(**small_slots) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, params)]
-        # 10 blocks of a layer (float32 SmolLM2: 2 x 3 heads x 16 tokens x 64 x 4 bytes each)
-        graphs = with_dense_graphs(llm, max_batch=4, dense_max_layer_bytes=10 * 24576)
+        graphs = with_dense_graphs(llm, max_batch=4)
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
-        # The long prompt's ~44 host blocks are over the limit (its decode steps, ahead of the
-        # 32 of the longest request, run eagerly); once it is done, the rest are not.
+        # The long prompt's ~44 host blocks are over the 32 blocks of a slot (its decode
+        # steps, ahead of the 32 of the longest request, run eagerly); once it is done, the
+        # rest are not.
         assert 10 <= graphs.steps < 32
         stats = llm.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        graphs.dense_max_layer_bytes = 1 << 40
         slot_blocks = llm.core.runner.offload.slot_blocks
-        fits = [graphs._gather_fits(DecodeContext(None, None, None, 0, host_blocks=n))
+        assert slot_blocks == 32
+        fits = [graphs._fits_a_slot(DecodeContext(None, None, None, 0, host_blocks=n))
                 for n in (slot_blocks, slot_blocks + 1)]
         assert fits == [True, False]

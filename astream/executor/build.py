@@ -12,7 +12,6 @@ from astream.executor.offload_graphs import OffloadDecodeGraphs, decodes_densely
 from astream.executor.offload_plan import TailSlots
 from astream.executor.runner import ModelRunner
 from astream.kvcache.calibration import calibrate_format, calibration_ids, scaled_format
-from astream.kvcache.gathered_ring import GATHER_SLOTS
 from astream.kvcache.kv_format import KVFormat, is_fp8
 from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
@@ -69,7 +68,8 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
     run eagerly: on the CPU, under enforce_eager, and with offload under a policy that
     selects decode pages on some offloaded layers only (those steps read through the ring).
     With offload, a policy that selects on every offloaded layer gathers its pages in the
-    graph, and one that never selects gathers whole contexts (executor.offload_graphs)."""
+    graph, and one that never selects loads whole contexts between a chain of graphs
+    (executor.offload_graphs)."""
     if not runner.runtime.is_cuda or config.enforce_eager:
         return None
     shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
@@ -82,8 +82,7 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
                             plan.max_model_len):
         graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
                                      runner.policy, runner.generator, **shape)
-    elif (decodes_densely(runner.policy, runner.decoder.config.num_layers, plan.max_model_len)
-          and len(runner.offload.slots) >= GATHER_SLOTS):
+    elif decodes_densely(runner.policy, runner.decoder.config.num_layers, plan.max_model_len):
         graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
                                      runner.policy, runner.generator, **shape, dense=True)
     else:

@@ -60,13 +60,35 @@ class GraphSampler:
         self.temperatures[n:size].fill_(1.0)
 
 
+def sampling_modes() -> tuple[str, ...]:
+    """The modes a graph can sample in: a torch without graph-safe custom generators
+    captures greedy only, and the host samples the rest."""
+    return GRAPH_MODES if hasattr(torch.cuda.CUDAGraph, "register_generator_state") else ("greedy",)
+
+
+def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str,
+                     pool: tuple) -> torch.cuda.CUDAGraph:
+    """A graph of `sampler.program(hidden, mode)` alone."""
+    graph = _new_graph(sampler, mode)
+    with torch.cuda.graph(graph, pool=pool):
+        sampler.program(hidden, mode)
+    return graph
+
+
+def _new_graph(sampler: GraphSampler, mode: str) -> torch.cuda.CUDAGraph:
+    """A graph whose replays advance the sampler's generator where the mode draws from it."""
+    graph = torch.cuda.CUDAGraph()
+    if mode != "greedy":
+        graph.register_generator_state(sampler.generator)
+    return graph
+
+
 def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler, out: torch.Tensor,
                             device: torch.device) -> dict[tuple[str, int], torch.cuda.CUDAGraph]:
     """One graph per (mode, size), largest first, sharing one memory pool: each replay runs
     `run(size)` over the static buffers, leaves its hidden states in out[:size] and its
     sampled ids in sampler.token_ids[:size]."""
-    # A torch without graph-safe custom generators captures greedy only; the rest samples on the host.
-    modes = GRAPH_MODES if hasattr(torch.cuda.CUDAGraph, "register_generator_state") else ("greedy",)
+    modes = sampling_modes()
     graphs, pool = {}, torch.cuda.graph_pool_handle()
     for size in sorted(sizes, reverse=True):
         hidden = run(size)                               # warm-up (Triton compiles, cuBLAS plans)
@@ -74,9 +96,7 @@ def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler,
             sampler.program(hidden, mode)
         torch.cuda.synchronize(device)
         for mode in modes:
-            graph = torch.cuda.CUDAGraph()
-            if mode != "greedy":
-                graph.register_generator_state(sampler.generator)
+            graph = _new_graph(sampler, mode)
             with torch.cuda.graph(graph, pool=pool):
                 out[:size] = run(size)
                 sampler.program(out[:size], mode)

@@ -1,15 +1,14 @@
 """CUDA graphs for offloaded decode steps. Launched eagerly, such a step is bound by the
-host (about a thousand small launches, 1-2 ms a layer); from a graph, by the device. A
-graph may not read through the eager ring (its copies' host addresses would be frozen),
-so host KV reaches it through device kernels that read the pinned pool in place:
+host (about a thousand small launches, 1-2 ms a layer); from graphs, by the device. A
+graph may not hold the eager ring's copies (their host addresses would be frozen), so:
 
-- under a policy that selects decode pages (Quest): the dense layers read their device
-  copy, every other layer gathers the pages its queries choose;
-- under one that never does ("dense", e.g. Full): each offloaded layer's whole context is
-  gathered into a ring slot a layer ahead, on a side stream (kvcache.gathered_ring). That
-  kernel reads at about 46 GB/s where the eager ring's copies reach 54, so a step takes it
-  only while its layers are small enough for the eager step to be paced by the host
-  (`dense_max_layer_bytes`), and only if every row's host blocks fit one slot.
+- under a policy that selects decode pages (Quest), one graph a step: the dense layers
+  read their device copy, every other layer gathers the pages its queries choose with a
+  kernel reading the pinned pool in place;
+- under one that never does ("dense", e.g. Full), a chain of graphs a step
+  (executor.graph_chain), cut before each offloaded layer reads its ring slot: between
+  the graphs the host issues the copy-engine loads of each layer's whole host context, a
+  layer ahead (kvcache.copy_ring). Only steps whose rows' host blocks fit one slot.
 
 New KV goes to the device tails in both.
 
@@ -32,14 +31,15 @@ from dataclasses import dataclass, field
 import torch
 
 from astream.executor.cuda_graphs import capture_sizes, padded_size
+from astream.executor.graph_chain import ChainCapture, capture_chained_steps
 from astream.executor.graph_sampling import GraphSampler, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.offload_attention import OffloadAttention
 from astream.executor.offload_plan import DecodeContext, JobTemplate, OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch
-from astream.kvcache.gathered_ring import GATHER_SLOTS, GatheredRing
-from astream.kvcache.offload_engine import NewKV, OffloadEngine
+from astream.kvcache.copy_ring import CopyRing, packed_block_table
+from astream.kvcache.offload_engine import NewKV, OffloadEngine, Run
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
 from astream.policies import PolicyRuntime
@@ -52,12 +52,6 @@ def selects_everywhere(policy: PolicyRuntime, engine: OffloadEngine, num_layers:
     return any(policy.selects_decode(layer, max_context) for layer in range(num_layers)) and all(
         layer in engine.device_layers or policy.selects_decode(layer, max_context)
         for layer in range(num_layers))
-
-
-# An eager offloaded layer costs the H100's host about 1.8 ms, and within a step the gather
-# reads about 46 GB/s against the copy engine's 54 (docs/BENCHMARKS.md, issue 15): past
-# about 80 MiB a layer the eager step is paced by PCIe, not the host, and copies faster.
-DENSE_GRAPH_MAX_LAYER_BYTES = 80 << 20
 
 
 def decodes_densely(policy: PolicyRuntime, num_layers: int, max_context: int) -> bool:
@@ -76,12 +70,12 @@ class OffloadDecodeGraphs:
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
-    dense: bool = False                  # gather whole contexts (the policy never selects)
-    dense_max_layer_bytes: int = DENSE_GRAPH_MAX_LAYER_BYTES
-    graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
+    dense: bool = False                  # load whole contexts (the policy never selects)
+    graphs: dict[tuple[str, int], object] = field(default_factory=dict)   # each has replay()
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     sampler: GraphSampler | None = None
-    side: torch.cuda.Stream | None = None  # dense: the gathers' stream
+    copy_runs: list[Run] = field(default_factory=list)   # dense: this step's loads
+    ring: CopyRing | None = None         # dense: this step's ring, driven between graphs
     steps: int = 0                       # steps run from the static buffers
 
     def __post_init__(self) -> None:
@@ -104,9 +98,6 @@ class OffloadDecodeGraphs:
                                   device=device),
         }
         self.sampler = GraphSampler.allocate(self.decoder, self.generator, b)
-        if self.dense:
-            assert len(self.engine.slots) >= GATHER_SLOTS, "dense graphs gather into two ring slots"
-            self.side = self.engine.runtime.new_stream()
 
     @property
     def scratch_slot(self) -> int:
@@ -121,8 +112,14 @@ class OffloadDecodeGraphs:
     def capture(self) -> None:
         self.engine.settle()
         self._pad(0, self.max_batch)
-        self.graphs = capture_sampling_graphs(capture_sizes(self.max_batch), self._run_eager,
-                                              self.sampler, self.buffers["hidden"], self.decoder.device)
+        self.copy_runs = []
+        sizes, hidden, device = capture_sizes(self.max_batch), self.buffers["hidden"], self.decoder.device
+        if self.dense:
+            self.graphs = capture_chained_steps(sizes, self._run_eager, self.sampler, hidden, device,
+                                                between=lambda _: self.ring.advance(),
+                                                after=lambda: self.ring.finish())
+        else:
+            self.graphs = capture_sampling_graphs(sizes, self._run_eager, self.sampler, hidden, device)
 
     def can_run(self, inputs: StepInputs, plan: OffloadStepPlan | None) -> bool:
         attn = inputs.attn
@@ -130,14 +127,12 @@ class OffloadDecodeGraphs:
                 and inputs.num_tokens <= self.max_batch
                 and inputs.sample_rows.shape[0] == inputs.num_tokens
                 and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq
-                and (not self.dense or self._gather_fits(plan.decode_context)))
+                and (not self.dense or self._fits_a_slot(plan.decode_context)))
 
-    def _gather_fits(self, context: DecodeContext | None) -> bool:
-        """Dense: the rows' host blocks fit one slot and a layer of them is small enough
-        that the eager step would be paced by the host."""
+    def _fits_a_slot(self, context: DecodeContext | None) -> bool:
+        """Dense: the rows' host blocks fit one ring slot (one copy job a layer)."""
         blocks = context.host_blocks if context is not None else 0
-        engine = self.engine
-        return blocks <= engine.slot_blocks and blocks * engine.block_bytes <= self.dense_max_layer_bytes
+        return blocks <= self.engine.slot_blocks
 
     def run(self, inputs: StepInputs, plan: OffloadStepPlan,
             sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -147,20 +142,13 @@ class OffloadDecodeGraphs:
         self._fill(inputs, plan)
         self._pad(n, size)
         self.engine.wait_offloads()
+        if self.dense:                     # one job at most: the rows' host blocks fit a slot
+            self.copy_runs = plan.jobs[0].runs if plan.jobs else []
+            self.ring = CopyRing(self.engine, self.sparse_layers, self.copy_runs)
         ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, self.buffers["hidden"])
-        if self.dense:
-            self._after_gathers(plan.decode_context)
         self.engine.send_tails(self.sparse_layers, plan.new_kv.tails_to_host)
         self.steps += 1
         return self.buffers["hidden"][:n], ids
-
-    def _after_gathers(self, context: DecodeContext | None) -> None:
-        """The eager ring's next loads into the gather slots wait for this step's reads."""
-        engine = self.engine
-        for slot in engine.slots[:GATHER_SLOTS]:
-            slot.free = engine.runtime.record_event()
-        blocks = context.host_blocks if context is not None else 0
-        engine.bytes_loaded += blocks * engine.block_bytes * len(self.sparse_layers)
 
     def _fill(self, inputs: StepInputs, plan: OffloadStepPlan) -> None:
         buf, attn, n = self.buffers, inputs.attn, inputs.num_tokens
@@ -189,7 +177,8 @@ class OffloadDecodeGraphs:
         buf["tail_lens"][n:size].fill_(1)
         buf["host_lens"][n:size].zero_()
 
-    def _run_eager(self, size: int) -> torch.Tensor:
+    def _run_eager(self, size: int, capture: ChainCapture | None = None) -> torch.Tensor:
+        """The static program over rows :size (what a graph, or a chain of them, captures)."""
         buf, engine, layers = self.buffers, self.engine, self.decoder.config.num_layers
         rows = buf["rows"][:size]
         host = DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size], self.max_context)
@@ -206,9 +195,13 @@ class OffloadDecodeGraphs:
         on_device = None if engine.on_device is None else PagedAttention(
             engine.on_device, meta, self.backends, self.policy, scale)
         if self.dense:
-            loads = self._gathered_ring(host)
+            # This step's copies (`copy_runs`), issued at the cuts; during a capture, none.
+            loads = self.ring = CopyRing(engine, self.sparse_layers, self.copy_runs,
+                                         capture.cut if capture is not None else None)
             # One ring job: each row reads its own packed blocks of the slot.
-            plan.jobs.append(JobTemplate(decode_index=rows, decode_table_tensor=loads.dst_table,
+            nblocks = (host.context_lens // engine.block_size).to(torch.int32)
+            packed = packed_block_table(nblocks, host.block_tables.shape[1])
+            plan.jobs.append(JobTemplate(decode_index=rows, decode_table_tensor=packed,
                                          decode_lens=host.context_lens, decode_max=self.max_context))
             sparse = [False] * layers
         else:
@@ -220,10 +213,3 @@ class OffloadDecodeGraphs:
         if self.dense:
             loads.finish()
         return hidden
-
-    def _gathered_ring(self, host: DecodeContext) -> GatheredRing:
-        """Every offloaded layer's whole host context, packed into a ring slot a layer ahead."""
-        nblocks = (host.context_lens // self.engine.block_size).to(torch.int32)
-        return GatheredRing.started(self.engine, host.block_tables, nblocks, self.sparse_layers,
-                                    self.side)
-

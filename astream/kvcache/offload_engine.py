@@ -18,7 +18,8 @@ Its whole API: `write_layer` (a layer's new KV in, and on its way to the host; a
 captured decode step, `send_tails` and `wait_offloads` do its ordering from outside),
 `tails` (the device tails a layer's decode attends to), `loads` (one step's loads into
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
-when the caller is done with it, and the next load starts), `gather_pages` (chosen
+when the caller is done with it, and the next load starts; `load_slot` is one such load,
+for rings driven from outside), `gather_pages` (chosen
 pages of a layer's host KV, read in place by the device), `context_loads` (whole prefixes, for a sparse prefill policy, a layer ahead),
 `pending_offloads`, and `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
@@ -242,7 +243,9 @@ class OffloadEngine:
         self.bytes_loaded += len(layers) * sum(run.count for run in runs) * self.block_bytes
         return loads
 
-    def _load(self, slot: RingSlot, layer: int, runs: list[Run]) -> None:
+    def load_slot(self, slot: RingSlot, layer: int, runs: list[Run]) -> None:
+        """Copy `runs` of the layer's host blocks into `slot` on the H2D stream, after the
+        slot's previous reader and the layer's latest offload; sets `slot.loaded`."""
         rt = self.runtime
         rt.wait(slot.free, self.h2d)
         rt.wait(self.offloaded[layer], self.h2d)
@@ -299,7 +302,7 @@ class RingLoads:
         engine, num_slots = self.engine, len(self.engine.slots)
         while self.issued < min(self.done + num_slots, len(self.order)):
             layer, runs = self.order[self.issued]
-            engine._load(engine.slots[self.issued % num_slots], layer, runs)
+            engine.load_slot(engine.slots[self.issued % num_slots], layer, runs)
             self.issued += 1
 
 

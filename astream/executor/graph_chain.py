@@ -1,0 +1,109 @@
+"""A decode program captured as a chain of CUDA graphs, cut where the host must act.
+
+One graph bakes every address in, so work whose addresses change from step to step
+(the ring's copies out of the host pool) cannot live in it. A chain keeps the device
+work in graphs and gives the host the moments between them: where the program needs the
+host it calls `ChainCapture.cut(host_part)` (ends one graph, runs the host part outside
+any capture, starts the next), and a replay runs graph 0, the host part of cut 0
+(`between(0)`), graph 1, and so on. So a host part must be something the step can repeat
+without the program: record an event, issue a copy, make the stream wait.
+
+All graphs of every chain share one memory pool. Tensors that live across a cut keep
+their addresses, since a chain's graphs replay in capture order with nothing between
+them that allocates; chains of different batch sizes never run at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+from astream.executor.graph_sampling import GraphSampler, capture_sampling, sampling_modes
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ChainCapture:
+    """The graphs of a chain being captured, the last one still open."""
+
+    pool: tuple
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def cut(self, host_part: Callable[[], T]) -> T:
+        """Close the open graph, run `host_part` outside any capture, open the next graph;
+        returns what the host part returns."""
+        self.graphs[-1].capture_end()
+        result = host_part()
+        self.begin()
+        return result
+
+
+@contextlib.contextmanager
+def capturing_chain(pool: tuple, device: torch.device) -> Iterator[ChainCapture]:
+    """Capture on a side stream, as `torch.cuda.graph` does (the default stream cannot be
+    captured); the host parts between the graphs run on that stream too."""
+    torch.cuda.synchronize(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    capture = ChainCapture(pool)
+    with torch.cuda.stream(stream):
+        capture.begin()
+        try:
+            yield capture
+        finally:
+            capture.graphs[-1].capture_end()     # a failed capture must still leave capture mode
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+@dataclass(slots=True)
+class ChainedStep:
+    """One decode step: the chain (the host part `between(i)` after its graph i), then the
+    sampling graph of one mode, if any, then the host's `after`."""
+
+    graphs: list[torch.cuda.CUDAGraph]
+    sampling: torch.cuda.CUDAGraph | None
+    between: Callable[[int], object]
+    after: Callable[[], object]
+
+    def replay(self) -> None:
+        last = len(self.graphs) - 1
+        for index, graph in enumerate(self.graphs):
+            graph.replay()
+            if index < last:
+                self.between(index)
+        if self.sampling is not None:
+            self.sampling.replay()
+        self.after()
+
+
+ChainRun = Callable[[int, "ChainCapture | None"], torch.Tensor]   # (size, capture) -> hidden
+
+
+def capture_chained_steps(sizes: list[int], run: ChainRun, sampler: GraphSampler, out: torch.Tensor,
+                          device: torch.device, between: Callable[[int], object],
+                          after: Callable[[], object]) -> dict[tuple[str, int], ChainedStep]:
+    """Per size, largest first: `run(size, capture)` captured as one chain (its hidden states
+    into out[:size]), and one sampling graph per mode after it, as
+    `graph_sampling.capture_sampling_graphs` captures a whole step."""
+    steps, pool = {}, torch.cuda.graph_pool_handle()
+    modes = sampling_modes()
+    for size in sorted(sizes, reverse=True):
+        hidden = run(size, None)                          # warm-up (Triton compiles, cuBLAS plans)
+        for mode in modes:
+            sampler.program(hidden, mode)
+        with capturing_chain(pool, device) as capture:
+            out[:size] = run(size, capture)
+        for mode in modes:
+            steps[mode, size] = ChainedStep(capture.graphs, capture_sampling(sampler, out[:size], mode, pool),
+                                            between, after)
+    torch.cuda.synchronize(device)
+    return steps
