@@ -8,23 +8,74 @@ through transformers would take several minutes of the GPU budget.
 
     python benchmarks/throughput.py              # GPU
     python benchmarks/throughput.py --smoke      # CPU, tiny shape
+    python benchmarks/throughput.py --shapes qwen3-0.6b --repeat 5 --step-cadence
+        # per run: step intervals, steps with prompt chunks apart, the longest steps
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import time
 
 import torch
 
-from common import Timer, random_workload, save, shaped_model, smollm2  # noqa: I001
+from common import Timer, percentile, random_workload, save, shaped_model, smollm2  # noqa: I001
 from astream import LLM, SamplingParams
+from astream.core import EngineCore
 
 
-def astream_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
+class StepCadence:
+    """When each step's results reach the host (`EngineCore.process`, wrapped for the run):
+    where a slower run spends its extra time, in every step or in a few stalls."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prefill_tokens: list[int] = []      # per step: tokens of prompt chunks in it
+        self.rows: list[int] = []                # per step: sequences in it
+        self.process = EngineCore.process
+
+    def __enter__(self) -> "StepCadence":
+        process, times = self.process, self.times
+
+        def timed(core, output):
+            delivered = process(core, output)
+            times.append(time.perf_counter())
+            items = output.batch.items
+            self.prefill_tokens.append(sum(i.num_tokens for i in items if i.num_tokens > 1))
+            self.rows.append(len(items))
+            return delivered
+
+        EngineCore.process = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        EngineCore.process = self.process
+
+    def summary(self) -> dict:
+        gaps = [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
+        if not gaps:
+            return {}
+        median = percentile(gaps, 50)
+        stalls = [g for g in gaps if g > 3 * median]
+        # Gap i ends with step i + 1's results: split the time by what that step held.
+        prefill = [g for g, n in zip(gaps, self.prefill_tokens[1:]) if n]
+        longest = sorted(zip(gaps, self.prefill_tokens[1:], self.rows[1:]), reverse=True)[:8]
+        return {"step_ms_p50": round(median, 3), "step_ms_p90": round(percentile(gaps, 90), 3),
+                "step_ms_p99": round(percentile(gaps, 99), 3), "step_ms_max": round(max(gaps), 3),
+                "stalls_over_3x_median": len(stalls), "stall_ms_total": round(sum(stalls), 1),
+                "step_ms_total": round(sum(gaps), 1),
+                "prefill_steps": len(prefill), "prefill_step_ms_total": round(sum(prefill), 1),
+                "decode_step_ms_total": round(sum(gaps) - sum(prefill), 1),
+                "longest_steps_ms_prefill_rows": [(round(g, 1), n, r) for g, n, r in longest]}
+
+
+def astream_run(llm: LLM, work: list[tuple[list[int], int]], cadence: bool = False) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True) for _, out in work]
     before = llm.stats()
-    with Timer() as t:
+    clock = StepCadence()
+    with Timer() as t, (clock if cadence else contextlib.nullcontext()):
         outs = llm.generate([prompt for prompt, _ in work], params)
     after = llm.stats()
     produced = sum(len(o.token_ids) for o in outs)
@@ -35,7 +86,7 @@ def astream_run(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
             "total_tok_s": round((produced + prompt_tokens) / t.seconds, 1),
             "steps": after["steps"] - before["steps"],
             "prefix_cache_hits": after["prefix_cache_hits"] - before["prefix_cache_hits"],
-            "preemptions": after["preemptions"] - before["preemptions"]}
+            "preemptions": after["preemptions"] - before["preemptions"], **clock.summary()}
 
 
 def spread(values: list[float]) -> dict:
@@ -80,6 +131,8 @@ def main() -> None:
     parser.add_argument("--fresh-prompts", action="store_true",
                         help="new random prompts every run (the prefix cache cannot serve a repeat)")
     parser.add_argument("--skip-hf", action="store_true", help="no transformers subset")
+    parser.add_argument("--step-cadence", action="store_true",
+                        help="per run, the intervals between steps' results (median, tail, stalls)")
     parser.add_argument("--name", default="throughput", help="results file name")
     parser.add_argument("--tokenizer", default=None, help="any tokenizer (prompts are random ids)")
     parser.add_argument("--kv-dtypes", default="auto",
@@ -105,7 +158,8 @@ def main() -> None:
                                    if args.fresh_prompts and not args.smoke else work)["output_tok_s"]
                        for w in range(args.warmup_runs)]   # fresh: not the timed runs' prompts
             runs = [astream_run(llm, random_workload(num, 100, 1024, 100, 1024, seed=rep)
-                                if args.fresh_prompts and rep and not args.smoke else work)
+                                if args.fresh_prompts and rep and not args.smoke else work,
+                                cadence=args.step_cadence)
                     for rep in range(args.repeat)]
             results[key] = {"astream": runs[len(runs) // 2] if args.repeat == 1 else
                             {**spread([r["output_tok_s"] for r in runs]), "runs": runs},
