@@ -34,7 +34,15 @@ class StepCadence:
         self.times: list[float] = []
         self.prefill_tokens: list[int] = []      # per step: tokens of prompt chunks in it
         self.rows: list[int] = []                # per step: sequences in it
+        self.collections: list[tuple[int, float]] = []   # Python's GC: (generation, ms)
+        self._gc_start = 0.0
         self.process = EngineCore.process
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.collections.append((info["generation"], (time.perf_counter() - self._gc_start) * 1e3))
 
     def __enter__(self) -> "StepCadence":
         process, times = self.process, self.times
@@ -48,10 +56,12 @@ class StepCadence:
             return delivered
 
         EngineCore.process = timed
+        gc.callbacks.append(self._on_gc)
         return self
 
     def __exit__(self, *exc) -> None:
         EngineCore.process = self.process
+        gc.callbacks.remove(self._on_gc)
 
     def summary(self) -> dict:
         gaps = [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
@@ -68,7 +78,11 @@ class StepCadence:
                 "step_ms_total": round(sum(gaps), 1),
                 "prefill_steps": len(prefill), "prefill_step_ms_total": round(sum(prefill), 1),
                 "decode_step_ms_total": round(sum(gaps) - sum(prefill), 1),
-                "longest_steps_ms_prefill_rows": [(round(g, 1), n, r) for g, n, r in longest]}
+                "longest_steps_ms_prefill_rows": [(round(g, 1), n, r) for g, n, r in longest],
+                "gc_collections_by_generation": [sum(1 for g, _ in self.collections if g == gen)
+                                                 for gen in range(3)],
+                "gc_ms_total": round(sum(ms for _, ms in self.collections), 1),
+                "gc_ms_max": round(max((ms for _, ms in self.collections), default=0.0), 1)}
 
 
 def astream_run(llm: LLM, work: list[tuple[list[int], int]], cadence: bool = False) -> dict:

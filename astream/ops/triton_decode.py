@@ -31,7 +31,10 @@ BIG_SMEM_PER_SM = 160 * 1024  # A100 / H100 / B200 class; consumer parts have ~1
 DEFAULT_SM_COUNT = 132  # used off-CUDA (interpreter), where there is no device to ask
 
 
-@triton.jit
+# Triton compiles a variant per property of an int argument (== 1, divisible by 16): the
+# arguments that change from step to step (the tables' width, the split count and the
+# partial lse's strides) would make an eager step compile anew mid-serving.
+@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, k_scale_ptr, v_scale_ptr, scale_log2,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -74,7 +77,7 @@ def _decode_split_kernel(
                  stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_ls, GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_rb", "stride_rh", "num_splits"])
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_pb, stride_ph, stride_ps, stride_rb, stride_rh,

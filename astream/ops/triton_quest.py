@@ -26,7 +26,8 @@ from astream.ops.triton_tiles import (
 )
 
 
-@triton.jit
+# As in triton_decode: no variant per value of the arguments that change from step to step.
+@triton.jit(do_not_specialize=["stride_tb", "stride_lb", "stride_lh", "num_splits"])
 def _selected_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, pages_ptr, counts_ptr, out_ptr, lse_ptr,
     k_scale_ptr, v_scale_ptr, scale_log2, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from astream.stages import burst
 from astream.stages.context import StageContext
 
 
 async def admit_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream) -> None:
     async with inbox:
-        async for admission in inbox:
-            ctx.core.admit(admission.request, admission.prompt_ids)
+        async for first in inbox:
+            for admission in burst.with_queued(first, inbox):   # one step takes them all
+                ctx.core.admit(admission.request, admission.prompt_ids)
             ctx.wake.notify()

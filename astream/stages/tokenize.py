@@ -10,6 +10,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from astream.runtime.events import run_off_loop
+from astream.stages import burst
 from astream.stages.context import Admission, StageContext, Submission
 
 
@@ -18,13 +19,14 @@ async def tokenize_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
     limiter = anyio.CapacityLimiter(ctx.tokenizer_threads)
     async with inbox, outbox:
         async with anyio.create_task_group() as workers:     # closes before outbox does
-            async for sub in inbox:
-                if not ctx.core.is_live(sub.request):
-                    continue                                  # aborted while queued
-                if _is_long(sub.prompt, ctx.long_prompt_chars):
-                    workers.start_soon(_tokenize, ctx, sub, outbox, limiter)
-                else:
-                    await _tokenize(ctx, sub, outbox, None)
+            async for first in inbox:
+                for sub in burst.with_queued(first, inbox):
+                    if not ctx.core.is_live(sub.request):
+                        continue                              # aborted while queued
+                    if _is_long(sub.prompt, ctx.long_prompt_chars):
+                        workers.start_soon(_tokenize, ctx, sub, outbox, limiter)
+                    else:
+                        await _tokenize(ctx, sub, outbox, None)
 
 
 async def _tokenize(ctx: StageContext, sub: Submission, outbox: MemoryObjectSendStream,
@@ -37,7 +39,7 @@ async def _tokenize(ctx: StageContext, sub: Submission, outbox: MemoryObjectSend
     except Exception as exc:                                  # a bad prompt: this request only
         ctx.core.reject(sub.request, exc)
         return
-    await outbox.send(Admission(sub.request, ids))
+    await burst.send(outbox, Admission(sub.request, ids))
 
 
 def _is_long(prompt, limit: int) -> bool:
