@@ -7,11 +7,42 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astream.executor.graph_chain import ChainedStep, capturing_chain
+from astream.executor.graph_chain import ChainCapture, ChainedStep, capturing_chain
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: counts captures, refuses a second end."""
+
+    ended = 0
+
+    def capture_begin(self, pool=None) -> None:
+        self.capturing = True
+
+    def capture_end(self) -> None:
+        assert self.capturing, "capture_end without capture"
+        self.capturing = False
+        FakeGraph.ended += 1
+
+
+def test_a_failing_host_part_ends_the_capture_once_and_its_error_comes_through(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    capture = ChainCapture(pool=None)
+    capture.begin()
+
+    def host_part():
+        raise ValueError("the host part failed")
+
+    with pytest.raises(ValueError, match="host part failed"):
+        try:
+            capture.cut(host_part)
+        finally:
+            capture.end()                # what capturing_chain's cleanup does
+    assert FakeGraph.ended == 1 and not capture.open
+
+
+@needs_gpu
 def test_a_chain_runs_each_replays_host_copies_between_its_graphs():
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)

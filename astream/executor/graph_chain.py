@@ -32,16 +32,23 @@ class ChainCapture:
 
     pool: tuple
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    open: bool = False                   # the last graph is still capturing
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool)
         self.graphs.append(graph)
+        self.open = True
+
+    def end(self) -> None:
+        if self.open:
+            self.open = False
+            self.graphs[-1].capture_end()
 
     def cut(self, host_part: Callable[[], T]) -> T:
         """Close the open graph, run `host_part` outside any capture, open the next graph;
         returns what the host part returns."""
-        self.graphs[-1].capture_end()
+        self.end()
         result = host_part()
         self.begin()
         return result
@@ -55,13 +62,15 @@ def capturing_chain(pool: tuple, device: torch.device) -> Iterator[ChainCapture]
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     capture = ChainCapture(pool)
-    with torch.cuda.stream(stream):
-        capture.begin()
-        try:
-            yield capture
-        finally:
-            capture.graphs[-1].capture_end()     # a failed capture must still leave capture mode
-    torch.cuda.current_stream(device).wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            capture.begin()
+            try:
+                yield capture
+            finally:
+                capture.end()        # a failed capture must leave capture mode, and say why
+    finally:
+        torch.cuda.current_stream(device).wait_stream(stream)
 
 
 @dataclass(slots=True)

@@ -143,6 +143,7 @@ class OffloadDecodeGraphs:
         self._pad(n, size)
         self.engine.wait_offloads()
         if self.dense:                     # one job at most: the rows' host blocks fit a slot
+            assert len(plan.jobs) <= 1, "a dense step from graphs loads one slot a layer"
             self.copy_runs = plan.jobs[0].runs if plan.jobs else []
             self.ring = CopyRing(self.engine, self.sparse_layers, self.copy_runs)
         ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, self.buffers["hidden"])

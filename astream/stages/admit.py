@@ -11,6 +11,7 @@ from astream.stages.context import StageContext
 async def admit_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream) -> None:
     async with inbox:
         async for first in inbox:
-            for admission in burst.with_queued(first, inbox):   # one step takes them all
-                ctx.core.admit(admission.request, admission.prompt_ids)
+            for admissions in burst.with_queued(first, inbox):  # one step takes them all
+                for admission in admissions:
+                    ctx.core.admit(admission.request, admission.prompt_ids)
             ctx.wake.notify()

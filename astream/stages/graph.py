@@ -44,7 +44,7 @@ STAGES = (
 
 CHANNELS = (
     Channel("submit", "tokenize", 256, "Submission"),
-    Channel("tokenize", "admit", 64, "Admission"),
+    Channel("tokenize", "admit", 64, "list[Admission]"),
     Channel("schedule", "forward", 0, "StepTicket"),
     Channel("forward", "offload_wait", 1, "StepOutput | FailedStep"),
     Channel("offload_wait", "emit", 1, "StepOutput | FailedStep"),

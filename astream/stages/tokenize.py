@@ -6,6 +6,8 @@ so one huge prompt holds up neither the loop nor the prompts behind it.
 
 from __future__ import annotations
 
+import time
+
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -20,26 +22,40 @@ async def tokenize_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
     async with inbox, outbox:
         async with anyio.create_task_group() as workers:     # closes before outbox does
             async for first in inbox:
+                ready, since = [], time.perf_counter()
                 for sub in burst.with_queued(first, inbox):
                     if not ctx.core.is_live(sub.request):
                         continue                              # aborted while queued
                     if _is_long(sub.prompt, ctx.long_prompt_chars):
-                        workers.start_soon(_tokenize, ctx, sub, outbox, limiter)
-                    else:
-                        await _tokenize(ctx, sub, outbox, None)
+                        workers.start_soon(_tokenize_off_loop, ctx, sub, outbox, limiter)
+                        continue
+                    admission = _tokenize(ctx, sub)
+                    if admission is not None:
+                        ready.append(admission)
+                    if time.perf_counter() - since > burst.TIME_SLICE_S:
+                        # Many string prompts: let the step in flight be launched and read.
+                        await outbox.send(ready)
+                        ready, since = [], time.perf_counter()
+                if ready:
+                    await outbox.send(ready)                  # the burst, admitted as one
 
 
-async def _tokenize(ctx: StageContext, sub: Submission, outbox: MemoryObjectSendStream,
-                    limiter: anyio.CapacityLimiter | None) -> None:
+def _tokenize(ctx: StageContext, sub: Submission) -> Admission | None:
     try:
-        if limiter is None:
-            ids = ctx.core.tokenize(sub.prompt)
-        else:
-            ids = await run_off_loop(ctx.core.tokenize, sub.prompt, limiter=limiter)
+        return Admission(sub.request, ctx.core.tokenize(sub.prompt))
     except Exception as exc:                                  # a bad prompt: this request only
         ctx.core.reject(sub.request, exc)
+        return None
+
+
+async def _tokenize_off_loop(ctx: StageContext, sub: Submission, outbox: MemoryObjectSendStream,
+                             limiter: anyio.CapacityLimiter) -> None:
+    try:
+        ids = await run_off_loop(ctx.core.tokenize, sub.prompt, limiter=limiter)
+    except Exception as exc:
+        ctx.core.reject(sub.request, exc)
         return
-    await burst.send(outbox, Admission(sub.request, ids))
+    await outbox.send([Admission(sub.request, ids)])
 
 
 def _is_long(prompt, limit: int) -> bool:
