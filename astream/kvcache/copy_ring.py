@@ -55,8 +55,7 @@ class CopyRing:
     def advance(self) -> RingSlot:
         """The host's part before the next layer reads its slot (steps 1-3 above)."""
         rt, slots = self.engine.runtime, self.engine.slots
-        if self.done:
-            slots[(self.done - 1) % len(slots)].free = rt.record_event()
+        self._free_last_read()
         while self.issued < min(self.done + len(slots), len(self.layers)):
             self.engine.load_slot(slots[self.issued % len(slots)], self.layers[self.issued], self.runs)
             self.issued += 1
@@ -67,6 +66,11 @@ class CopyRing:
 
     def finish(self) -> None:
         """After the step's last read (outside any capture): its slot is free."""
-        if self.cut is None and self.done:
+        if self.cut is None:
+            self._free_last_read()
+
+    def _free_last_read(self) -> None:
+        """The slot the latest layer read is free once the compute queued so far is done."""
+        if self.done:
             slots = self.engine.slots
             slots[(self.done - 1) % len(slots)].free = self.engine.runtime.record_event()
