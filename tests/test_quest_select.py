@@ -248,7 +248,36 @@ def check_triton_selection(device: str) -> int:
         sink_pages=1, recent_pages=1, gqa_reduce="max", append_newest=False, physical=False,
         counters=None)
     assert got[0].cpu().tolist() == [[[0, 1, 2, 3, 39]] * 2]
-    return n + 1 + check_triton_bounds(device)
+    return n + 1 + check_triton_ties_and_near_ties(device) + check_triton_bounds(device)
+
+
+def check_triton_ties_and_near_ties(device: str) -> int:
+    """Scores with many exact ties, or differing only in the last mantissa bits, or of
+    both signs: the picks are the brute-force top (ties to the lowest page), through every
+    digit of the selection's search, on the in-register and the chunked path."""
+    from astream.ops import triton_quest_select as tqs
+    gen = torch.Generator().manual_seed(11)
+    n = 0
+    for pages, budget in ((300, 37), (2500, 301)):
+        distinct = 1 + torch.randperm(pages, generator=gen).double() * 2.0 ** -21
+        for values in (torch.randint(0, 5, (pages,), generator=gen).double(), distinct,
+                       torch.randn(pages, generator=gen).double(), -distinct):
+            bounds = values.float().view(pages, 1, 1).expand(pages, 1, 16).contiguous()
+            q = torch.ones(1, 1, 16, device=device)       # every score is 16 * value, exactly
+            tables = torch.arange(pages // 2, dtype=torch.int32).view(1, -1)
+            lens = torch.tensor([pages * 16], dtype=torch.int32)
+            args = (q, bounds.to(device), bounds.to(device), tables.to(device), lens.to(device))
+            forced = {0, pages - 2, pages - 1}
+            rest = sorted(set(range(pages)) - forced, key=lambda p: (-float(values[p]), p))
+            want = sorted(forced | set(rest[:budget - len(forced)]))
+            for registers in (1 << 14, 0):
+                got = tqs.select_decode_pages_triton(
+                    *args, max_pages=pages, block_size=32, page_size=16, budget_pages=budget,
+                    sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=False,
+                    physical=False, counters=None, max_row_in_registers=registers)
+                assert got[0][0, 0].cpu().tolist() == want, (pages, registers)
+                n += 1
+    return n
 
 
 def check_triton_bounds(device: str) -> int:
@@ -274,7 +303,7 @@ def check_triton_bounds(device: str) -> int:
     return 1
 
 
-N_TRITON_CASES = 4 * len(FUSED_CASES) + 2
+N_TRITON_CASES = 4 * len(FUSED_CASES) + 2 + 16
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")

@@ -8,10 +8,11 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
   the block table in the kernel; bf16/fp16 bounds go through the tensor cores as they
   are (q+ and q- are exact in the same dtype, products are exact in fp32).
 - select: grid (batch, KV head). A bisection over the scores' order-preserving int32
-  image finds the budget-th largest (the row held in registers, up to 16K pages; longer
-  rows are re-read from L2 each step), then one ordered pass writes the chosen pages
-  ascending (ties taken lowest page first), the newest block's pages after them, and
-  pads the rest. Nothing leaves the device.
+  image finds a threshold that takes the budget (the row's first power-of-two pages,
+  up to 16K, held in registers; pages past them re-read from L2 each step), then one
+  ordered scan writes the chosen pages ascending (ties at the threshold taken lowest
+  page first), the newest block's pages after them, and pads the rest. Nothing leaves
+  the device.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
 from astream.ops.triton_quest import group_tile
 
 SCORE_BLOCK_P = 64      # pages per score program
-SELECT_CHUNK = 1024     # scores per step of the select kernel's passes over a long row
-MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
-SELECT_WARPS = 16       # H100, 8K pages: 57 us a call against 64 at 8 warps (quest_select_sweep.py)
+SELECT_TAIL = 1024      # scores per step of the select kernel's passes past its register head
+MAX_ROW_IN_REGISTERS = 16384   # 64 int32 keys a thread at 8 warps
 # Bisection bounds on the int32 keys: below every key, and above every key.
 BELOW_KEYS = tl.constexpr(-2147483648 - 1)
 ABOVE_KEYS = tl.constexpr(2147483648)
@@ -104,7 +104,7 @@ def _table_scores_kernel(
 
 @triton.jit
 def _rank_keys(row_ptr, pos, n_pages, sink, recent):
-    """Order-preserving int64 image of the scores, forced pages highest, NaN lowest."""
+    """Order-preserving int32 image of the scores, forced pages highest, NaN lowest."""
     score = tl.load(row_ptr + pos, mask=pos < n_pages, other=0.0)
     score = tl.where(score != score, -3.4028234663852886e38, score)
     score = tl.where((pos < sink) | (pos >= n_pages - recent), float("inf"), score)
@@ -114,36 +114,58 @@ def _rank_keys(row_ptr, pos, n_pages, sink, recent):
 
 @triton.jit
 def _count_at_least(row_ptr, keys, lanes, n_pages, sink, recent, mid,
-                    CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """How many keys are >= mid (an int32 value)."""
-    if IN_REGISTERS:            # the whole row was ranked once: a compare and a sum
-        count = tl.sum(((lanes < n_pages) & (keys >= mid)).to(tl.int32), axis=0)
-    else:
-        count = tl.zeros([], tl.int32)
-        for start in range(0, n_pages, CHUNK):
-            pos = start + lanes
-            chunk = _rank_keys(row_ptr, pos, n_pages, sink, recent)
-            count += tl.sum(((pos < n_pages) & (chunk >= mid)).to(tl.int32), axis=0)
+                    HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """How many keys are >= mid (an int32): the head's in registers, the tail's re-read."""
+    count = tl.sum(((lanes < n_pages) & (keys >= mid)).to(tl.int32), axis=0)
+    for start in range(HEAD, n_pages, TAIL):
+        pos = start + tl.arange(0, TAIL)
+        chunk = _rank_keys(row_ptr, pos, n_pages, sink, recent)
+        count += tl.sum(((pos < n_pages) & (chunk >= mid)).to(tl.int32), axis=0)
     return count
 
 
 @triton.jit
 def _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                      CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr):
-    """(t, count(key > t)) for the largest t with count(key >= t) >= budget, by bisection
-    over the int32 keys (33 passes); t below every key when every page fits."""
+                      HEAD: tl.constexpr, TAIL: tl.constexpr):
+    """(t, count(key >= t), count(key > t) if ties at t must be cut): the largest t with
+    count(key >= t) >= budget, by bisection over the int32 keys. It stops early at a t
+    that takes exactly the budget (about 20 of the 33 steps on real scores); t is below
+    every key when every page fits."""
     lo = tl.full([], BELOW_KEYS, tl.int64)
     hi = tl.full([], ABOVE_KEYS, tl.int64)
+    at_lo = n_pages                           # count(key >= lo)
     above = tl.zeros([], tl.int32)            # count(key >= hi) < budget
-    iterations = tl.where(n_pages > budget, 33, 0)
-    for _ in range(0, iterations):
+    while (hi - lo > 1) & (at_lo > budget):
         mid = (lo + hi) // 2                  # strictly between: always an int32
         count = _count_at_least(row, keys, lanes, n_pages, sink, recent, mid.to(tl.int32),
-                                CHUNK, IN_REGISTERS)
+                                HEAD, TAIL)
         lo = tl.where(count >= budget, mid, lo)
+        at_lo = tl.where(count >= budget, count, at_lo)
         above = tl.where(count >= budget, above, count)
         hi = tl.where(count >= budget, hi, mid)
-    return lo, above
+    return tl.maximum(lo, -2147483648).to(tl.int32), at_lo, above
+
+
+@triton.jit
+def _emit_picks(chunk, pos, n_pages, threshold, cut_ties, ties_wanted, taken, ties, last,
+                idx_row, phys_row, table_row, PPB: tl.constexpr, WRITE_PHYSICAL: tl.constexpr):
+    """Write this piece's picks (key >= threshold; of the keys equal to it, the lowest
+    pages first when they must be cut) after the `taken` before it, in page order."""
+    valid = pos < n_pages
+    chosen = valid & (chunk >= threshold)
+    if cut_ties:                # rare (equal scores at the threshold): a second scan
+        tie = valid & (chunk == threshold)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        chosen = valid & ((chunk > threshold) | (tie & (tie_rank < ties_wanted)))
+        ties += tl.sum(tie.to(tl.int32), axis=0)
+    slot = taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(idx_row + slot, pos, mask=chosen)
+    if WRITE_PHYSICAL:
+        blk = tl.load(table_row + pos // PPB, mask=chosen, other=0).to(tl.int64)
+        tl.store(phys_row + slot, blk * PPB + pos % PPB, mask=chosen)
+    taken += tl.sum(chosen.to(tl.int32), axis=0)
+    last = tl.maximum(last, tl.max(tl.where(chosen, pos, -1), axis=0))
+    return taken, ties, last
 
 
 @triton.jit
@@ -151,40 +173,31 @@ def _select_kernel(
     scores_ptr, lens_ptr, tables_ptr, idx_ptr, counts_ptr, phys_ptr, counters_ptr,
     stride_sb, stride_sh, stride_tb, stride_ib, stride_ih, stride_cb, stride_pb, stride_ph,
     budget, sink, recent, width,
-    PAGE: tl.constexpr, PPB: tl.constexpr, CHUNK: tl.constexpr, IN_REGISTERS: tl.constexpr,
+    PAGE: tl.constexpr, PPB: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
     APPEND_NEWEST: tl.constexpr, WRITE_PHYSICAL: tl.constexpr, COUNT: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_pages = tl.cdiv(tl.load(lens_ptr + b), PAGE)
     row = scores_ptr + b * stride_sb + h * stride_sh
-    lanes = tl.arange(0, CHUNK)
-    keys = _rank_keys(row, lanes, n_pages, sink, recent)   # the row, when it fits: IN_REGISTERS
-    # Largest threshold t with count(key >= t) >= budget; none needed if every page fits.
-    lo, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                                  CHUNK, IN_REGISTERS)
-    ties_wanted = tl.where(n_pages > budget, budget - above, 0)
-    taken = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    last = tl.full([], -1, tl.int32)
+    lanes = tl.arange(0, HEAD)
+    keys = _rank_keys(row, lanes, n_pages, sink, recent)   # the row's head, kept in registers
+    threshold, at_threshold, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent,
+                                                       budget, HEAD, TAIL)
+    cut_ties = at_threshold > budget
+    ties_wanted = budget - above
     idx_row = idx_ptr + b * stride_ib + h * stride_ih
     phys_row = phys_ptr + b * stride_pb + h * stride_ph
     table_row = tables_ptr + b * stride_tb
-    for start in range(0, n_pages, CHUNK):
-        pos = start + lanes
-        valid = pos < n_pages
-        chunk = _rank_keys(row, pos, n_pages, sink, recent).to(tl.int64)
-        tie = valid & (chunk == lo)
-        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-        chosen = valid & ((chunk > lo) | (tie & (tie_rank < ties_wanted)))
-        slot = taken + tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        tl.store(idx_row + slot, pos, mask=chosen)
-        if WRITE_PHYSICAL:
-            blk = tl.load(table_row + pos // PPB, mask=chosen, other=0).to(tl.int64)
-            tl.store(phys_row + slot, blk * PPB + pos % PPB, mask=chosen)
-        taken += tl.sum(chosen.to(tl.int32), axis=0)
-        ties += tl.sum(tie.to(tl.int32), axis=0)
-        last = tl.maximum(last, tl.max(tl.where(chosen, pos, -1), axis=0))
+    taken, ties, last = _emit_picks(
+        keys, lanes, n_pages, threshold, cut_ties, ties_wanted, tl.zeros([], tl.int32),
+        tl.zeros([], tl.int32), tl.full([], -1, tl.int32), idx_row, phys_row, table_row,
+        PPB, WRITE_PHYSICAL)
+    for start in range(HEAD, n_pages, TAIL):
+        pos = start + tl.arange(0, TAIL)
+        taken, ties, last = _emit_picks(
+            _rank_keys(row, pos, n_pages, sink, recent), pos, n_pages, threshold, cut_ties,
+            ties_wanted, taken, ties, last, idx_row, phys_row, table_row, PPB, WRITE_PHYSICAL)
     if COUNT:
         tl.atomic_add(counters_ptr, taken.to(tl.int64))
         tl.atomic_add(counters_ptr + 1, tl.full([], 1, tl.int64))
@@ -203,11 +216,18 @@ def _select_kernel(
     last_phys = tl.zeros([], tl.int64)
     if WRITE_PHYSICAL:
         last_phys = tl.load(phys_row + tl.maximum(total - 1, 0), mask=total > 0, other=0)
-    for start in range(total, width, CHUNK):
-        pos = start + lanes
+    for start in range(total, width, TAIL):
+        pos = start + tl.arange(0, TAIL)
         tl.store(idx_row + pos, last, mask=pos < width)
         if WRITE_PHYSICAL:
             tl.store(phys_row + pos, last_phys, mask=pos < width)
+
+
+def select_warps_for(head: int) -> int:
+    """Warps of the select kernel for a register head of `head` scores: each bisection
+    step ends in a block-wide sum, cheaper with fewer warps while the registers last
+    (H200, 8K pages: 24 us a call at 8 warps, 27 at 16; quest_select_sweep.py)."""
+    return 8 if head <= 8192 else 16
 
 
 def update_page_bounds_triton(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: Tensor,
@@ -231,7 +251,7 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
                                recent_pages: int, gqa_reduce: str, append_newest: bool,
                                physical: bool, counters: Tensor | None,
                                max_row_in_registers: int = MAX_ROW_IN_REGISTERS,
-                               select_warps: int = SELECT_WARPS,
+                               select_warps: int | None = None,
                                ) -> tuple[Tensor, Tensor, Tensor | None]:
     """See astream.ops.quest_select.select_decode_pages_ref (max_row_in_registers: tests)."""
     batch, n_heads, head_dim = q.shape
@@ -258,16 +278,16 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
     )
     phys_arg = phys if physical else indices            # unread placeholder
     counters_arg = counters if counters is not None else counts
-    # A row of up to MAX_ROW_IN_REGISTERS scores is ranked once and searched in registers.
-    row = triton.next_power_of_2(max(max_pages, 1))
-    in_registers = row <= max_row_in_registers
+    # The row's first `head` scores (a power of two, at most the row: no lanes wasted past
+    # it) are ranked once and searched in registers; pages past them are re-read (L2).
+    rows = max(max_pages - (ppb if append_newest else 0), 1)
+    head = max(16, min(1 << (rows.bit_length() - 1), max_row_in_registers))
     _select_kernel[(batch, kv_heads)](
         scores, context_lens, block_tables, indices, counts, phys_arg, counters_arg,
         scores.stride(0), scores.stride(1), block_tables.stride(0), indices.stride(0),
         indices.stride(1), counts.stride(0), phys_arg.stride(0), phys_arg.stride(1),
-        budget_pages, sink_pages, recent_pages, width, PAGE=page_size, PPB=ppb,
-        CHUNK=row if in_registers else SELECT_CHUNK, IN_REGISTERS=in_registers,
-        APPEND_NEWEST=append_newest, WRITE_PHYSICAL=physical, COUNT=counters is not None,
-        num_warps=select_warps if in_registers else NUM_WARPS,
+        budget_pages, sink_pages, recent_pages, width, PAGE=page_size, PPB=ppb, HEAD=head,
+        TAIL=SELECT_TAIL, APPEND_NEWEST=append_newest, WRITE_PHYSICAL=physical,
+        COUNT=counters is not None, num_warps=select_warps or select_warps_for(head),
     )
     return indices, counts, phys
