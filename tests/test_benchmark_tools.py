@@ -49,3 +49,11 @@ def test_time_shared_by_both_directions_is_reported():
     result = copy_overlap([memcpy(0, 100), memcpy(60, 100, kind="DtoH")])
     assert result["h2d"]["concurrent_with_other_direction_ms"] == pytest.approx(0.04)
     assert result["d2h"]["concurrent_with_other_direction_ms"] == pytest.approx(0.04)
+
+
+def test_quest_locality_counts_pages_picked_again_by_the_same_layer_and_head():
+    from quest_locality import carried_over
+    step1 = {0: [{1, 2, 3, 4}, {5, 6}], 3: [{7, 8}]}
+    step2 = {0: [{1, 2, 9, 10}, {6, 11}], 3: [{7, 8}]}     # 2 + 1 + 2 of 8 picks kept
+    step3 = {0: [{5, 6, 1, 2}, {1, 2}], 3: [{9, 10}]}      # head 0 regains 1, 2; head 1 none
+    assert carried_over([step1, step2, step3]) == [5 / 8, 2 / 8]
