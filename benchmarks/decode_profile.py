@@ -29,7 +29,7 @@ from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
 
-def kernel_breakdown(core: EngineCore, steps: int) -> dict:
+def kernel_breakdown(core: EngineCore, steps: int, top: int = 10) -> dict:
     """Kernels launched per step, GPU busy ms per step (union of kernel intervals), top kernels."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_steps(core, steps)
@@ -41,13 +41,13 @@ def kernel_breakdown(core: EngineCore, steps: int) -> dict:
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e["name"][:80], []).append(e["dur"])
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+    heaviest = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {"kernels_per_step": round(len(kernels) / steps, 1),
             "gpu_busy_ms_per_step": round(busy / 1e3 / steps, 3),
             "copies_per_step": round(len(copies) / steps, 1),
             "copy_busy_ms_per_step": round(copy_busy / 1e3 / steps, 3),
             "top_kernels": [{"name": n, "per_step": round(len(d) / steps, 1),
-                             "ms_per_step": round(sum(d) / 1e3 / steps, 3)} for n, d in top]}
+                             "ms_per_step": round(sum(d) / 1e3 / steps, 3)} for n, d in heaviest]}
 
 
 def median_ms(times: list[float]) -> float:
@@ -70,18 +70,18 @@ def host_hotspots(core: EngineCore, steps: int, top: int = 25) -> list[str]:
 
 
 def profile_kernels(core: EngineCore, kernels: str, budget: int, steps: int,
-                    host_profile: bool = False) -> dict:
+                    host_profile: bool = False, top: int = 10) -> dict:
     set_budget(core, budget, kernels)                 # captures graphs (None on the CPU)
     decode_steps(core, 3)
     graphed = median_ms(decode_steps(core, steps)) if core.runner.graphs is not None else None
     result = {"layer_kernels": kernels, "graph_step_ms": graphed}
     if core.runner.graphs is not None:
-        result["graph"] = kernel_breakdown(core, 3) if torch.cuda.is_available() else {}
+        result["graph"] = kernel_breakdown(core, 3, top) if torch.cuda.is_available() else {}
     graphs, core.runner.graphs = core.runner.graphs, None
     decode_steps(core, 2)
     result["eager_step_ms"] = median_ms(decode_steps(core, steps))
     if torch.cuda.is_available():
-        result["eager"] = kernel_breakdown(core, 3)
+        result["eager"] = kernel_breakdown(core, 3, top)
     if host_profile:
         result["eager_host_top"] = host_hotspots(core, steps)
     core.runner.graphs = graphs
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--host-profile", action="store_true", help="cProfile the eager steps")
     parser.add_argument("--offload", action="store_true", help="KV in the host pool (Full: eager ring steps)")
+    parser.add_argument("--top", type=int, default=10, help="kernels listed, heaviest first")
     args = parser.parse_args()
     shape, ctx = ("tiny", 256) if args.smoke else ("qwen3-4b", args.ctx)
     budget = FULL if args.budget == "full" else int(args.budget)
@@ -122,7 +123,7 @@ def main() -> None:
     results = {"shape": shape, "context": ctx, "budget": args.budget, "kv": args.kv_cache_dtype,
                "prefill_s": round(time.perf_counter() - start, 2),
                "runs": [profile_kernels(core, k, budget, 3 if args.smoke else args.steps,
-                                               args.host_profile)
+                                               args.host_profile, args.top)
                         for k in (("reference",) if args.smoke else args.layer_kernels.split(","))]}
     mode = "_offload" if args.offload else ""
     save(f"decode_profile{mode}_{args.budget}_{ctx}_{args.kv_cache_dtype}", results, smoke=args.smoke)
