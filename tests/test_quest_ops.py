@@ -269,8 +269,7 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         torch.testing.assert_close(lse, ref_lse, atol=tol32, rtol=tol32)
         n += 1
     n += check_triton_quest_fp8(device, tol16)
-    # (seed, counts, fp8, pages a program: 4 and 2 leave the last program part-empty)
-    for seed, with_counts, fp8, per in ((0, True, False, 1), (1, False, False, 4), (2, True, True, 2)):
+    for seed, with_counts, fp8 in ((0, True, False), (1, False, False), (2, True, True)):
         src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
         if fp8:     # the host pool of an fp8 cache: bytes move as they are
             src_k, src_v, dst_k, dst_v = (t.to(torch.float8_e4m3fn) for t in (src_k, src_v, dst_k, dst_v))
@@ -282,8 +281,7 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         counts = counts.to(device) if with_counts else None
         if device == "cuda":        # the engine's host pool is pinned: read in place, zero-copy
             src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
-        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts,
-                                         pages_per_program=per)
+        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts)
         assert torch.equal(dst_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
         assert torch.equal(dst_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
         n += 1

@@ -4,9 +4,8 @@
   head)'s selected pages instead of its whole context. Grid (batch, kv_head, split):
   one program owns a KV head's whole query group, so each K/V tile is loaded once;
   the split count comes from host ints only, so the launch is graph-capturable.
-- page gather: grid (page group, kv_head, batch); copies the K and V pages of a group
-  of selected pages per program from a head-major pool, which on CUDA may be pinned host
-  memory read in place.
+- page gather: grid (page, kv_head, batch); copies one K and one V page per program
+  from a head-major pool, which on CUDA may be pinned host memory read in place.
 
 Torch references and the contracts live in astream.ops.quest.
 """
@@ -25,9 +24,6 @@ from astream.ops.triton_tiles import (
     LOG2E, MIN_DOT_DIM, NUM_STAGES, NUM_WARPS, _attend_tile, _dim_mask, _finish, _head_scales,
     _load_kv, _query_tile, _split_range, _store_split, _to_compute, _token_slots,
 )
-
-GATHER_PAGES = 1        # selected pages a gather program copies (gather_sweep.py)
-GATHER_WARPS = NUM_WARPS
 
 
 # As in triton_decode: no variant per value of the arguments that change from step to step.
@@ -81,29 +77,27 @@ def _selected_split_kernel(
 
 @triton.jit
 def _gather_pages_kernel(
-    src_k, src_v, pages_ptr, counts_ptr, dst_k, dst_v, n_sel,
+    src_k, src_v, pages_ptr, counts_ptr, dst_k, dst_v,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_pb, stride_ph,
     stride_cb, stride_ch, stride_db, stride_dh, stride_dt, stride_eb, stride_eh, stride_et,
-    PPB: tl.constexpr, PAGE: tl.constexpr, PAGES: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, HAS_COUNTS: tl.constexpr,
+    PPB: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
 ):
+    sel = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)  # b * stride_db passes 2**31 on large batches
-    count = n_sel
+    count = sel + 1
     if HAS_COUNTS:
-        count = tl.minimum(tl.load(counts_ptr + b * stride_cb + h * stride_ch), n_sel)
-    # PAGES pages a program, as one [PAGES * PAGE, D] tile: more bytes in flight per thread.
-    rows = tl.arange(0, PAGES * PAGE)
-    sel = tl.program_id(0) * PAGES + rows // PAGE
-    toks = rows % PAGE
+        count = tl.load(counts_ptr + b * stride_cb + h * stride_ch)
+    page = tl.load(pages_ptr + b * stride_pb + h * stride_ph + sel).to(tl.int64)
+    toks = tl.arange(0, PAGE)
     dims = tl.arange(0, D_PAD)
     # A skipped entry (maybe a garbage id) is masked on both sides: no bytes move for it.
-    ok = sel < count
-    page = tl.load(pages_ptr + b * stride_pb + h * stride_ph + sel, mask=ok, other=0).to(tl.int64)
-    mask = _dim_mask(ok, dims, HEAD_DIM, D_PAD)
+    n_copy = tl.where(sel < count, PAGE, 0)
+    mask = _dim_mask(toks < n_copy, dims, HEAD_DIM, D_PAD)
     src_t = ((page % PPB) * PAGE + toks)[:, None]
     dst_t = (sel * PAGE + toks)[:, None].to(tl.int64)
-    blk = (page // PPB)[:, None]
+    blk = page // PPB
     k = tl.load(src_k + blk * stride_kb + h * stride_kh + src_t * stride_kt + dims[None, :],
                 mask=mask)
     v = tl.load(src_v + blk * stride_vb + h * stride_vh + src_t * stride_vt + dims[None, :],
@@ -180,8 +174,7 @@ def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
-                        dst_v: Tensor, counts: Tensor | None = None, *,
-                        pages_per_program: int = GATHER_PAGES, num_warps: int = GATHER_WARPS) -> None:
+                        dst_v: Tensor, counts: Tensor | None = None) -> None:
     """See astream.ops.quest.gather_pages_ref. src may be pinned host memory (mapped into
     the device's address space); every tensor needs a contiguous head_dim."""
     batch, kv_heads, n_sel = page_src.shape
@@ -194,10 +187,10 @@ def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: T
     page_src = page_src if page_src.stride(-1) == 1 else page_src.contiguous()
     has_counts = counts is not None
     counts = counts if has_counts else page_src  # unread placeholder
-    _gather_pages_kernel[(triton.cdiv(n_sel, pages_per_program), kv_heads, batch)](
-        src_k, src_v, page_src, counts, dst_k, dst_v, n_sel, *src_k.stride()[:3],
-        *src_v.stride()[:3], page_src.stride(0), page_src.stride(1), counts.stride(0),
-        counts.stride(1), *dst_k.stride()[:3], *dst_v.stride()[:3], PPB=block_size // page_size,
-        PAGE=page_size, PAGES=pages_per_program, HEAD_DIM=head_dim,
-        D_PAD=triton.next_power_of_2(head_dim), HAS_COUNTS=has_counts, num_warps=num_warps,
+    _gather_pages_kernel[(n_sel, kv_heads, batch)](
+        src_k, src_v, page_src, counts, dst_k, dst_v, *src_k.stride()[:3], *src_v.stride()[:3],
+        page_src.stride(0), page_src.stride(1), counts.stride(0), counts.stride(1),
+        *dst_k.stride()[:3], *dst_v.stride()[:3], PPB=block_size // page_size, PAGE=page_size,
+        HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), HAS_COUNTS=has_counts,
+        num_warps=NUM_WARPS,
     )
