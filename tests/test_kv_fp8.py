@@ -91,7 +91,7 @@ def test_fp8_greedy_tokens_match_fp32_except_at_near_ties(smol_llm):
     """SmolLM2 on the parity prompts: fp8 KV gives fp32's greedy tokens, or departs from them
     only where fp32's own top two logits were close."""
     expected = smol_llm.generate(PROMPTS, GREEDY_32)
-    with LLM(kv_cache_dtype="fp8_e4m3") as llm:
+    with LLM(kv_cache_dtype="fp8_e4m3", device="cpu") as llm:      # the fp32 run's device
         outs = llm.generate(PROMPTS, GREEDY_32)
     same = 0
     for prompt, want, got in zip(PROMPTS, expected, outs):
@@ -110,7 +110,9 @@ def test_fp8_greedy_tokens_match_fp32_except_at_near_ties(smol_llm):
 
 @pytest.mark.parametrize("policy", ["full", "quest"])
 def test_fp8_offload_gives_the_resident_tokens(policy):
-    kw = dict(kv_cache_dtype="fp8_e4m3", kv_block_size=16, num_kv_blocks=256, max_model_len=1024)
+    # On the CPU both paths run the same reference kernels, so their tokens must agree exactly.
+    kw = dict(kv_cache_dtype="fp8_e4m3", kv_block_size=16, num_kv_blocks=256, max_model_len=1024,
+              device="cpu")
     if policy == "quest":
         kw["sparse_policy"] = QuestPolicy(budget_tokens=64, dense_layers=2)
     prompts = [*PROMPTS[:4], "Note: " + " the red box holds seven stones." * 20]
@@ -130,7 +132,7 @@ def test_fp8_offload_gives_the_resident_tokens(policy):
 def test_fp8_stores_twice_the_blocks_of_bf16_in_the_same_memory():
     blocks = {}
     for kv in ("bfloat16", "fp8_e5m2"):
-        with LLM(kv_cache_dtype=kv, cpu_kv_cache_gib=0.25) as llm:
+        with LLM(kv_cache_dtype=kv, cpu_kv_cache_gib=0.25, device="cpu") as llm:
             blocks[kv] = llm.stats()["kv_blocks_total"]
             assert llm.core.runner.cache.k[0].dtype == llm.core.config.kv_storage_dtype()
     assert blocks["fp8_e5m2"] == 2 * blocks["bfloat16"]

@@ -11,7 +11,9 @@ import torch
 from triton_interpreter import run_interpreted_check
 
 from astream.ops import layer_ref
-from astream.ops.kv_write import as_bytes, dequantize_ref, quantize_kv, write_kv, write_kv_ref
+from astream.ops.kv_write import (
+    as_bytes, dequantize_ref, quantize_kv, store_head_major_ref, write_kv, write_kv_ref,
+)
 from astream.ops.layer_kernels import LayerKernels
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -93,7 +95,37 @@ def check_kv_write(device: str) -> int:
                     step = 2.0 ** -(2 if dtype == torch.float8_e5m2 else 3)
                     assert (g.float() - w.float()).abs().le(step * w.float().abs() + 1e-6).all()
             cases += 1
+    return cases + check_store_head_major(device)
+
+
+def check_store_head_major(device: str) -> int:
+    """Some rows of a step's K/V into head-major block buffers (the offload engine's tails):
+    the kernel moves exactly the reference's bytes and leaves every other position alone."""
+    from astream.ops import triton_kv_write
+
+    cases = 0
+    for dtype in (torch.bfloat16, FP8[0]):
+        for kv_heads, head_dim in ((2, 64), (3, 40)):
+            k, v = (torch.randn(6, kv_heads, head_dim, device=device).to(dtype) for _ in range(2))
+            src_rows = torch.tensor([4, 0, 5], device=device)
+            dst_index = torch.tensor([17, 3, 30], device=device)       # blocks 2, 0, 3 of 8 tokens
+            got = [torch.randn(4, kv_heads, 8, head_dim, device=device).to(dtype) for _ in range(2)]
+            want = [x.clone() for x in got]
+            triton_kv_write.store_head_major_triton(*(as_bytes(x) for x in got), dst_index,
+                                                    as_bytes(k), as_bytes(v), src_rows)
+            store_head_major_ref(*want, dst_index, k, v, src_rows)
+            for g, w in zip(got, want):
+                assert torch.equal(as_bytes(g), as_bytes(w)), (dtype, kv_heads)
+            cases += 1
     return cases
+
+
+def test_store_head_major_reference_puts_each_row_at_its_block_and_offset():
+    k, v = torch.randn(5, 2, 4), torch.randn(5, 2, 4)
+    dst_k, dst_v = torch.zeros(3, 2, 4, 4), torch.zeros(3, 2, 4, 4)
+    store_head_major_ref(dst_k, dst_v, torch.tensor([9, 2]), k, v, torch.tensor([3, 1]))
+    assert torch.equal(dst_k[2, :, 1], k[3]) and torch.equal(dst_v[0, :, 2], v[1])
+    assert dst_k.count_nonzero() == 2 * 2 * 4                   # nothing else written
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")
@@ -103,12 +135,12 @@ def test_layer_kernels_interpreter_match_references():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")
 def test_kv_write_interpreter_matches_reference():
-    assert run_interpreted_check("test_layer_kernels", "check_kv_write") == 6
+    assert run_interpreted_check("test_layer_kernels", "check_kv_write") == 10
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_layer_kernels_on_gpu_match_references():
-    assert check_layer_kernels("cuda") == 20 and check_kv_write("cuda") == 6
+    assert check_layer_kernels("cuda") == 20 and check_kv_write("cuda") == 10
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -100,7 +100,7 @@ class OffloadAttention:
     def _selected_pages(self, layer: int, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows over the host pages the policy chooses, gathered straight from the pool."""
         context = self.plan.decode_context
-        q_dec = q.index_select(0, context.rows)
+        q_dec = q if context.every_row else q.index_select(0, context.rows)
         chosen = self.policy.select_decode(layer, DecodeQuery(
             q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
         rows, heads, picked = chosen.indices.shape

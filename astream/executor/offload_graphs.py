@@ -182,7 +182,8 @@ class OffloadDecodeGraphs:
         """The static program over rows :size (what a graph, or a chain of them, captures)."""
         buf, engine, layers = self.buffers, self.engine, self.decoder.config.num_layers
         rows = buf["rows"][:size]
-        host = DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size], self.max_context)
+        host = DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size], self.max_context,
+                             every_row=True)
         plan = OffloadStepPlan(
             jobs=[], prefill_jobs=[], decode_jobs=[], num_prefill_tokens=0, chunk_meta=None,
             new_kv=NewKV(None, None, rows, buf["tail_index"][:size], (), ()),

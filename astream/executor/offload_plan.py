@@ -51,6 +51,7 @@ class DecodeContext:
     context_lens: torch.Tensor                     # [D] int32 tokens in those blocks
     max_context: int
     host_blocks: int = 0                           # all rows' full host blocks together
+    every_row: bool = False                        # rows is 0..D-1: the step decodes alone
 
 
 @dataclass(slots=True, frozen=True)

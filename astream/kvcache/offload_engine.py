@@ -40,9 +40,10 @@ from typing import Iterator, NamedTuple
 import torch
 
 from astream.kvcache.context_loads import ContextLoads
-from astream.kvcache.kv_format import KVFormat, KVScales, as_bytes
+from astream.kvcache.kv_format import KVFormat, KVScales
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
+from astream.ops.kv_write import store_head_major
 from astream.ops.quest import gather_pages
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
@@ -158,11 +159,10 @@ class OffloadEngine:
         staging = self.staging[layer % 2]
         if new.staging_rows is not None:
             rt.wait(self.staging_free[layer % 2])
-            _store(staging, k.index_select(0, new.staging_rows), v.index_select(0, new.staging_rows),
-                   new.staging_index)
+            store_head_major(*staging, new.staging_index, k, v, new.staging_rows)
         if new.tail_rows is not None:
-            _store((self.tail_k[layer], self.tail_v[layer]), k.index_select(0, new.tail_rows),
-                   v.index_select(0, new.tail_rows), new.tail_index)
+            store_head_major(self.tail_k[layer], self.tail_v[layer], new.tail_index, k, v,
+                             new.tail_rows)
         if new.staging_to_host or new.tails_to_host:
             done = self._to_host([layer], staging, new)
             if new.staging_to_host:
@@ -304,14 +304,3 @@ class RingLoads:
             layer, runs = self.order[self.issued]
             engine.load_slot(engine.slots[self.issued % num_slots], layer, runs)
             self.issued += 1
-
-
-def _store(dest: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-           flat_index: torch.Tensor) -> None:
-    """Write K/V rows [T, kv_heads, head_dim] into head-major block buffers at flat token
-    positions (block * block_size + offset)."""
-    dk, dv = dest
-    block_size = dk.shape[2]
-    blocks, offsets = flat_index // block_size, flat_index % block_size
-    as_bytes(dk).transpose(1, 2).index_put_((blocks, offsets), as_bytes(k))
-    as_bytes(dv).transpose(1, 2).index_put_((blocks, offsets), as_bytes(v))

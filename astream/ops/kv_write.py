@@ -2,9 +2,11 @@
 
 Stored = value / scale, saturated to the storage type's largest finite number, with one
 scale per KV head; value = stored * scale reads it back. `write_kv` scatters rows into a
-cache at given rows and `quantize_kv` returns them as new tensors. On CUDA both are one
-Triton launch for K and V together (ops.triton_kv_write); elsewhere they are these torch
-references, which are also the kernels' oracle.
+cache at given rows and `quantize_kv` returns them as new tensors. `store_head_major`
+moves rows already stored (a subset of them) into head-major block buffers (the offload
+engine's staging and tails). On CUDA each is one Triton launch for K and V together
+(ops.triton_kv_write); elsewhere they are these torch references, which are also the
+kernels' oracle.
 """
 
 from __future__ import annotations
@@ -53,6 +55,17 @@ def write_kv_ref(dst_k: Tensor, dst_v: Tensor, rows: Tensor, k: Tensor, v: Tenso
         as_bytes(dst).view(-1, *src.shape[1:]).index_copy_(0, rows, as_bytes(stored))
 
 
+def store_head_major_ref(dst_k: Tensor, dst_v: Tensor, dst_index: Tensor, k: Tensor, v: Tensor,
+                         src_rows: Tensor) -> None:
+    """Rows src_rows [N] of k/v [T, kv_heads, head_dim] (already in dst's dtype) into
+    head-major block buffers dst [blocks, kv_heads, block_size, head_dim] at flat token
+    positions dst_index [N] (block * block_size + offset)."""
+    block_size = dst_k.shape[2]
+    blocks, offsets = dst_index // block_size, dst_index % block_size
+    for dst, src in ((dst_k, k), (dst_v, v)):
+        as_bytes(dst).transpose(1, 2).index_put_((blocks, offsets), as_bytes(src.index_select(0, src_rows)))
+
+
 @functools.cache
 def _triton_importable() -> bool:
     try:
@@ -75,6 +88,18 @@ def write_kv(dst_k: Tensor, dst_v: Tensor, rows: Tensor, k: Tensor, v: Tensor,
         triton_kv_write.write_kv_triton(dst_k, dst_v, rows, k, v, scales)
         return
     write_kv_ref(dst_k, dst_v, rows, k, v, scales)
+
+
+def store_head_major(dst_k: Tensor, dst_v: Tensor, dst_index: Tensor, k: Tensor, v: Tensor,
+                     src_rows: Tensor) -> None:
+    """See store_head_major_ref (six torch launches for one layer's tails, one here)."""
+    if _use_triton(dst_k):
+        from astream.ops import triton_kv_write
+
+        triton_kv_write.store_head_major_triton(*(as_bytes(x) for x in (dst_k, dst_v)), dst_index,
+                                                *(as_bytes(x) for x in (k, v)), src_rows)
+        return
+    store_head_major_ref(dst_k, dst_v, dst_index, k, v, src_rows)
 
 
 def quantize_kv(k: Tensor, v: Tensor, scales: Scales, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -3,6 +3,8 @@ runs under TRITON_INTERPRET=1). Reference and contract: astream.ops.kv_write.
 
 Grid (token,): one program moves one token's K and V for every KV head, so a layer's KV
 write is one launch; the fp8 path (divide, saturate, cast) would be about ten in torch.
+The head-major store (the offload engine's staging and tails) is a plain move, bytes as
+they are, with the same grid.
 """
 
 from __future__ import annotations
@@ -82,3 +84,42 @@ def write_kv_triton(dst_k: Tensor, dst_v: Tensor, rows: Tensor | None, k: Tensor
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(kv_heads),
         D_PAD=triton.next_power_of_2(head_dim), HAS_ROWS=rows is not None, SCALED=scaled,
         LARGEST=largest, MANTISSA=mantissa, MIN_EXP=min_exp, num_warps=4 if kv_heads * head_dim >= 1024 else 1)
+
+
+@triton.jit
+def _store_head_major_kernel(
+    k_ptr, v_ptr, dst_k_ptr, dst_v_ptr, index_ptr, src_rows_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_db, stride_dh, stride_dt,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    src = tl.load(src_rows_ptr + t).to(tl.int64)
+    flat = tl.load(index_ptr + t).to(tl.int64)
+    heads = tl.arange(0, H_PAD)[:, None]
+    dims = tl.arange(0, D_PAD)[None, :]
+    mask = (heads < KV_HEADS) & (dims < HEAD_DIM)
+    dst = (flat // BLOCK) * stride_db + heads * stride_dh + (flat % BLOCK) * stride_dt + dims
+    k = tl.load(k_ptr + src * stride_kt + heads * stride_kh + dims, mask=mask)
+    tl.store(dst_k_ptr + dst, k, mask=mask)
+    v = tl.load(v_ptr + src * stride_vt + heads * stride_vh + dims, mask=mask)
+    tl.store(dst_v_ptr + dst, v, mask=mask)
+
+
+def store_head_major_triton(dst_k: Tensor, dst_v: Tensor, dst_index: Tensor, k: Tensor,
+                            v: Tensor, src_rows: Tensor) -> None:
+    """See astream.ops.kv_write.store_head_major_ref; every tensor needs a unit last
+    stride, dst_k and dst_v the same strides, and 8-bit floats come as uint8 views (the
+    rows move as bytes)."""
+    n = dst_index.shape[0]
+    if n == 0:
+        return
+    _, kv_heads, head_dim = k.shape
+    if dst_k.stride() != dst_v.stride():
+        raise ValueError("dst_k and dst_v need the same strides")
+    _store_head_major_kernel[(n,)](
+        k, v, dst_k, dst_v, dst_index, src_rows, k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(kv_heads),
+        D_PAD=triton.next_power_of_2(head_dim), BLOCK=dst_k.shape[2],
+        num_warps=4 if kv_heads * head_dim >= 1024 else 1)
