@@ -66,7 +66,7 @@ def carried_over(steps: list[dict]) -> list[float]:
         kept = picked = 0
         for layer, heads in now.items():
             for head, pages in enumerate(heads):
-                kept += len(pages & before[layer][head])
+                kept += len(pages & before[layer][head]) if layer in before else 0
                 picked += len(pages)
         shares.append(kept / max(picked, 1))
     return shares
@@ -87,7 +87,7 @@ def one_context(core: EngineCore, log: list, ctx: int, steps: int, natural: bool
         if log:
             per_step.append(dict(log))
             log.clear()
-    shares = carried_over(per_step)
+    shares = carried_over(per_step) or [float("nan")]    # nan: fewer than two selecting steps
     row = {"context": len(prompt), "steps": len(per_step), "carried_over_mean": round(statistics.mean(shares), 3),
            "carried_over_min": round(min(shares), 3), "carried_over_max": round(max(shares), 3),
            "text": "".join(tok.text for tok in sink.tokens)[:200] if natural else None}

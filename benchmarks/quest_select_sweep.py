@@ -1,4 +1,5 @@
-"""Quest's page selection on the GPU, per warp count of the select kernel.
+"""Quest's page selection on the GPU, per warp count of the select kernel, and with half
+the register head it picks (the rest of the row re-read from L2 on every step).
 
 One call scores every page of a Qwen3-4B-shaped layer (8 KV heads, 4 query heads each,
 head dim 128, bf16 bounds) and picks the pages of the budget. Each variant is replayed from
@@ -33,11 +34,12 @@ def inputs(context: int, batch: int, seed: int) -> tuple:
     return q, kmin, kmax, tables, lens
 
 
-def call(args, budget_pages: int, max_pages: int, warps: int):
+def call(args, budget_pages: int, max_pages: int, warps: int | None,
+         head_limit: int = tqs.MAX_ROW_IN_REGISTERS):
     return tqs.select_decode_pages_triton(
         *args, max_pages=max_pages, block_size=BLOCK, page_size=PAGE, budget_pages=budget_pages,
         sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=True, physical=True,
-        counters=None, select_warps=warps)
+        counters=None, select_warps=warps, max_row_in_registers=head_limit)
 
 
 def time_graph(fn, reps: int) -> float:
@@ -53,7 +55,8 @@ def time_graph(fn, reps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", default="32768,131072")
+    # whole blocks; 99,840 and 199,936 tokens are rows between two powers of two
+    parser.add_argument("--contexts", default="32768,99840,131072,199936")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=20)
@@ -65,11 +68,14 @@ def main() -> None:
             max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
             budget = args.budget // PAGE
             picked = {}
-            row = {"context": context, "batch": batch, "budget_pages": budget}
-            for warps in (4, 8, 16):
-                name = f"warps{warps}"
-                picked[name] = call(data, budget, max_pages, warps)[0].clone()
-                row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps), args.reps)
+            head = tqs.register_head(max_pages - BLOCK // PAGE)
+            row = {"context": context, "batch": batch, "budget_pages": budget, "head": head}
+            variants = {f"warps{w}": (w, head) for w in (4, 8, 16)}
+            variants["half_head"] = (None, head // 2)
+            for name, (warps, limit) in variants.items():
+                picked[name] = call(data, budget, max_pages, warps, limit)[0].clone()
+                row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps, limit),
+                                               args.reps)
             first = next(iter(picked.values()))
             row["same_pages"] = all(torch.equal(first, other) for other in picked.values())
             print(row, flush=True)

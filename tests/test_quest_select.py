@@ -260,8 +260,11 @@ def check_triton_ties_and_near_ties(device: str) -> int:
     n = 0
     for pages, budget in ((300, 37), (2500, 301)):
         distinct = 1 + torch.randperm(pages, generator=gen).double() * 2.0 ** -21
+        # Every value has at most 21 significant bits, so each score (16 * value, a sum of
+        # 16 products) is exact in float32 whatever order the kernel adds in.
+        signed = (torch.randn(pages, generator=gen).double() * 4096).round() / 4096
         for values in (torch.randint(0, 5, (pages,), generator=gen).double(), distinct,
-                       torch.randn(pages, generator=gen).double(), -distinct):
+                       signed, -distinct):
             bounds = values.float().view(pages, 1, 1).expand(pages, 1, 16).contiguous()
             q = torch.ones(1, 1, 16, device=device)       # every score is 16 * value, exactly
             tables = torch.arange(pages // 2, dtype=torch.int32).view(1, -1)
@@ -304,6 +307,15 @@ def check_triton_bounds(device: str) -> int:
 
 
 N_TRITON_CASES = 4 * len(FUSED_CASES) + 2 + 16
+
+
+def test_register_head_pads_little_and_rereads_little():
+    from astream.ops.triton_quest_select import register_head
+    assert register_head(8256) == 8192              # 64 pages re-read, not 8,128 lanes padded
+    assert register_head(6250) == 8192              # 1,942 padded, not 2,154 re-read
+    assert register_head(16000) == 16384 and register_head(40000) == 16384   # the cap
+    assert register_head(5) == 16 and register_head(3000, limit=1000) == 512
+    assert all(register_head(n) & (register_head(n) - 1) == 0 for n in range(1, 20000, 97))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")

@@ -117,6 +117,10 @@ def store_head_major_triton(dst_k: Tensor, dst_v: Tensor, dst_index: Tensor, k: 
     _, kv_heads, head_dim = k.shape
     if dst_k.stride() != dst_v.stride():
         raise ValueError("dst_k and dst_v need the same strides")
+    if not k.dtype == v.dtype == dst_k.dtype == dst_v.dtype:
+        raise ValueError("rows are moved as they are: k, v and dst need one dtype")
+    if src_rows.shape[0] != n or any(x.stride(-1) != 1 for x in (dst_k, dst_v, k, v)):
+        raise ValueError("need one source row per index and a unit last stride everywhere")
     _store_head_major_kernel[(n,)](
         k, v, dst_k, dst_v, dst_index, src_rows, k.stride(0), k.stride(1), v.stride(0),
         v.stride(1), dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), KV_HEADS=kv_heads,

@@ -27,7 +27,7 @@ from astream.ops.triton_quest import group_tile
 
 SCORE_BLOCK_P = 64      # pages per score program
 SELECT_TAIL = 1024      # scores per step of the select kernel's passes past its register head
-MAX_ROW_IN_REGISTERS = 16384   # 64 int32 keys a thread at 8 warps
+MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
 # Bisection bounds on the int32 keys: below every key, and above every key.
 BELOW_KEYS = tl.constexpr(-2147483648 - 1)
 ABOVE_KEYS = tl.constexpr(2147483648)
@@ -104,9 +104,11 @@ def _table_scores_kernel(
 
 @triton.jit
 def _rank_keys(row_ptr, pos, n_pages, sink, recent):
-    """Order-preserving int32 image of the scores, forced pages highest, NaN lowest."""
+    """Order-preserving int32 image of the scores, forced pages highest, NaN lowest (as the
+    reference ranks them: an infinite score is the largest or lowest finite one)."""
     score = tl.load(row_ptr + pos, mask=pos < n_pages, other=0.0)
     score = tl.where(score != score, -3.4028234663852886e38, score)
+    score = tl.minimum(tl.maximum(score, -3.4028234663852886e38), 3.4028234663852886e38)
     score = tl.where((pos < sink) | (pos >= n_pages - recent), float("inf"), score)
     bits = score.to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -127,10 +129,11 @@ def _count_at_least(row_ptr, keys, lanes, n_pages, sink, recent, mid,
 @triton.jit
 def _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
                       HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """(t, count(key >= t), count(key > t) if ties at t must be cut): the largest t with
-    count(key >= t) >= budget, by bisection over the int32 keys. It stops early at a t
-    that takes exactly the budget (about 20 of the 33 steps on real scores); t is below
-    every key when every page fits."""
+    """(t, count(key >= t), above) for a threshold t that takes the budget, by bisection
+    over the int32 keys: it stops at the first t with count(key >= t) == budget (about 20
+    of the 33 steps on real scores), else narrows to the largest t with count(key >= t) >=
+    budget, where above = count(key > t) says how many of the keys equal to t to keep.
+    t is below every key when every page fits."""
     lo = tl.full([], BELOW_KEYS, tl.int64)
     hi = tl.full([], ABOVE_KEYS, tl.int64)
     at_lo = n_pages                           # count(key >= lo)
@@ -223,10 +226,23 @@ def _select_kernel(
             tl.store(phys_row + pos, last_phys, mask=pos < width)
 
 
+def register_head(rows: int, limit: int = MAX_ROW_IN_REGISTERS) -> int:
+    """How many of a row's scores the select kernel ranks once and keeps in registers (a
+    power of two, 16 to `limit`); the rest it re-reads from L2 on every bisection step.
+    A padded lane costs a step about what it costs real, a re-read page more: take the
+    power of two above the row unless that pads more than twice what the one below
+    leaves to re-read (8,256 pages: 8,192 and 64 re-read, not 16,384 half padded)."""
+    below = 1 << (rows.bit_length() - 1)
+    head = below if below == rows or below * 2 - rows > 2 * (rows - below) else below * 2
+    cap = 1 << (max(limit, 16).bit_length() - 1)
+    return max(16, min(head, cap))
+
+
 def select_warps_for(head: int) -> int:
     """Warps of the select kernel for a register head of `head` scores: each bisection
     step ends in a block-wide sum, cheaper with fewer warps while the registers last
-    (H200, 8K pages: 24 us a call at 8 warps, 27 at 16; quest_select_sweep.py)."""
+    (H200, 8K pages, scores included: 28.6 us a call at 8 warps, 30.2 at 16, 30.9 at 4;
+    quest_select_sweep.py)."""
     return 8 if head <= 8192 else 16
 
 
@@ -278,10 +294,7 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
     )
     phys_arg = phys if physical else indices            # unread placeholder
     counters_arg = counters if counters is not None else counts
-    # The row's first `head` scores (a power of two, at most the row: no lanes wasted past
-    # it) are ranked once and searched in registers; pages past them are re-read (L2).
-    rows = max(max_pages - (ppb if append_newest else 0), 1)
-    head = max(16, min(1 << (rows.bit_length() - 1), max_row_in_registers))
+    head = register_head(max(max_pages - (ppb if append_newest else 0), 1), max_row_in_registers)
     _select_kernel[(batch, kv_heads)](
         scores, context_lens, block_tables, indices, counts, phys_arg, counters_arg,
         scores.stride(0), scores.stride(1), block_tables.stride(0), indices.stride(0),
