@@ -254,7 +254,7 @@ def check_triton_selection(device: str) -> int:
 def check_triton_ties_and_near_ties(device: str) -> int:
     """Scores with many exact ties, or differing only in the last mantissa bits, or of
     both signs: the picks are the brute-force top (ties to the lowest page), through every
-    digit of the selection's search, on the in-register and the chunked path."""
+    step of the bisection, with the row in registers and re-read from memory."""
     from astream.ops import triton_quest_select as tqs
     gen = torch.Generator().manual_seed(11)
     n = 0
