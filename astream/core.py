@@ -21,6 +21,7 @@ from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
 from astream.ops.attention import select_backend
 from astream.ops.backends import CUDNN_SHAPE_STEP
+from astream.ops.triton_warmup import start_cache_key_warmup
 from astream.policies import SparsePolicy, make_policy
 from astream.request import ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
@@ -54,6 +55,8 @@ class EngineCore:
     @classmethod
     def create(cls, config: EngineConfig, progress: ProgressFn | None = None) -> "EngineCore":
         device, dtype = config.torch_device(), config.torch_dtype()
+        # Triton hashes itself once a process: let it do so while the weights load.
+        triton_key = start_cache_key_warmup() if device.type == "cuda" else None
         path = resolve_model_path(config.model)
         checkpoint = open_checkpoint(path, config.load_format)
         check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
@@ -65,6 +68,8 @@ class EngineCore:
         spec = _cache_spec(config, overhead, policy.sparse_prefill)
         plan = plan_cache(spec, model.decoder.config, dtype, device, fmt.dtype)   # after the weights
         runtime = DeviceRuntime(device)
+        if triton_key is not None:
+            triton_key.join()
         runner = build_runner(config, plan, model.decoder, runtime, policy, fmt)
         align = plan.block_size if config.offload else 1
         scheduler = Scheduler(

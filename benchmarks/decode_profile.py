@@ -29,8 +29,20 @@ from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
 
+def kernel_timeline(kernels: list[dict], start: int, count: int) -> list[str]:
+    """`count` kernels in launch order from index `start`: name, duration and the idle gap
+    since the previous kernel ended, in microseconds."""
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    lines = []
+    for prev, e in zip(ordered[start - 1:start + count - 1], ordered[start:start + count]):
+        gap = e["ts"] - (prev["ts"] + prev["dur"])
+        lines.append(f"{e['dur']:7.1f} us  gap {gap:5.1f}  {e['name'][:70]}")
+    return lines
+
+
 def kernel_breakdown(core: EngineCore, steps: int, top: int = 10) -> dict:
-    """Kernels launched per step, GPU busy ms per step (union of kernel intervals), top kernels."""
+    """Kernels launched per step, GPU busy ms per step (union of kernel intervals), top kernels,
+    and the kernels of one layer-sized window in the middle of the first step, in order."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode_steps(core, steps)
     events = trace_events(prof)
@@ -47,7 +59,9 @@ def kernel_breakdown(core: EngineCore, steps: int, top: int = 10) -> dict:
             "copies_per_step": round(len(copies) / steps, 1),
             "copy_busy_ms_per_step": round(copy_busy / 1e3 / steps, 3),
             "top_kernels": [{"name": n, "per_step": round(len(d) / steps, 1),
-                             "ms_per_step": round(sum(d) / 1e3 / steps, 3)} for n, d in heaviest]}
+                             "ms_per_step": round(sum(d) / 1e3 / steps, 3)} for n, d in heaviest],
+            "mid_step_kernels": kernel_timeline(kernels, len(kernels) // steps // 2,
+                                                -(-len(kernels) // steps // core.model.decoder.config.num_layers) + 4)}
 
 
 def median_ms(times: list[float]) -> float:

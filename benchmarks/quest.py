@@ -4,8 +4,11 @@ Qwen3-4B shape, random weights, bf16. For each (context, batch) case the prompts
 prefilled once; then every budget (Full, 1K, 2K, 4K tokens) decodes the same sequences in
 turn: the engine's Quest runtime is given the budget (Full = a budget no context reaches,
 which takes the dense path) and, resident, the CUDA graphs are captured again. Steps are
-run synchronously (EngineCore.step) and timed with the device synchronized, so a step is
-its whole latency. With offload, bytes moved per step: ring loads (Full) or gathered pages.
+timed two ways: synchronously (EngineCore.step with the device synchronized, so a step is
+its whole latency, host work included), and pipelined as the engine's stages run them (the
+next step is scheduled, prepared and launched before the previous one's tokens are read
+back, so host work hides behind the device): the interval between consecutive steps'
+results. With offload, bytes moved per step: ring loads (Full) or gathered pages.
 
     python benchmarks/quest.py                 # GPU -> quest_speed.json
     python benchmarks/quest.py --smoke         # CPU, tiny shape
@@ -42,6 +45,26 @@ def decode_steps(core: EngineCore, steps: int) -> list[float]:
     return times
 
 
+def pipelined_steps(core: EngineCore, steps: int) -> list[float]:
+    """Intervals between consecutive steps' results when step n+1 is launched before step n
+    is read back, as the engine's schedule and forward stages do."""
+    core.runtime.synchronize()
+    times, previous, last = [], None, time.perf_counter()
+    for _ in range(steps + 1):
+        core.resume_caught_up()
+        output = core.launch(core.prepare(core.schedule()), previous)
+        if previous is not None:
+            previous.ready.synchronize()
+            core.process(previous)
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        previous = output
+    previous.ready.synchronize()
+    core.process(previous)
+    return times[1:]
+
+
 def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto") -> None:
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
@@ -75,7 +98,9 @@ def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: 
             before = core.stats()
             times = decode_steps(core, steps)
             after = core.stats()
+            pipelined = pipelined_steps(core, steps + 1)
             rows.append({**row(ctx, batch, budget, times, before, after, steps, prefill_s),
+                         **spread("pipelined_step_ms", pipelined),
                          "layer_kernels": kernels, "dense_graphs": dense_graphs,
                          "graph_steps": after["graph_steps"] - before["graph_steps"]})
             print(rows[-1], flush=True)
@@ -89,14 +114,16 @@ def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
     pages = sum(after.get("quest_pages_read", [0])) - sum(before.get("quest_pages_read", [0]))
     element = 1 if after["kv_cache_dtype"].startswith("float8") else 2
     gathered = pages * PAGE_ELEMENTS * element if after["offload"] else 0
-    ordered = sorted(times)
     return {"context": ctx, "batch": batch, "budget": "full" if budget == FULL else budget,
-            "kv": after["kv_cache_dtype"],
-            "step_ms_min": round(ordered[0] * 1e3, 2),
-            "step_ms": round(percentile(times, 50) * 1e3, 2),
-            "step_ms_max": round(ordered[-1] * 1e3, 2),
+            "kv": after["kv_cache_dtype"], **spread("step_ms", times),
             "bytes_loaded_per_step": loaded // steps, "bytes_gathered_per_step": gathered // steps,
             "prefill_s": round(prefill_s, 2)}
+
+
+def spread(key: str, times: list[float]) -> dict:
+    """{key_min, key, key_max} in ms: min, median and max of `times` (seconds)."""
+    return {f"{key}_min": round(min(times) * 1e3, 2), key: round(percentile(times, 50) * 1e3, 2),
+            f"{key}_max": round(max(times) * 1e3, 2)}
 
 
 def run_mode(config: EngineConfig, cases, budgets, steps, kernel_sets,
@@ -172,19 +199,24 @@ def main() -> None:
 
 
 def summarize(results: dict) -> None:
-    """Ratios are to the resident Full step of the run's first KV dtype, same layer kernels."""
+    """Ratios are to the resident Full step of the run's first KV dtype, same layer kernels,
+    timed the same way (synchronous or pipelined)."""
     first = next((r["kv"] for r in results.get("resident", [])), None)
-    resident = {(r["context"], r["batch"], r["layer_kernels"]): r["step_ms"]
+    resident = {(r["context"], r["batch"], r["layer_kernels"]): r
                 for r in results.get("resident", []) if r["budget"] == "full" and r["kv"] == first}
-    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'step ms (min/med/max)':>26}"
-          f"{'x resident Full':>17}{'loaded MB':>11}{'gathered MB':>12}{'graph':>7}{'dense':>8}")
+    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}"
+          f"{'sync ms (min/med/max)':>24}{'x Full':>8}{'pipelined ms':>24}{'x Full':>8}"
+          f"{'loaded MB':>11}{'gathered MB':>12}{'graph':>7}{'dense':>8}")
     for mode in ("resident", "offload"):
         for r in results.get(mode, []):
             ref = resident.get((r["context"], r["batch"], r["layer_kernels"]))
-            ratio = f"{r['step_ms'] / ref:.2f}" if ref else "-"
-            spread = f"{r['step_ms_min']}/{r['step_ms']}/{r['step_ms_max']}"
-            print(f"{mode:<9}{r['layer_kernels']:>10}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}{str(r['budget']):>7}"
-                  f"{spread:>26}{ratio:>17}"
+            cells = ""
+            for key in ("step_ms", "pipelined_step_ms"):
+                ratio = f"{r[key] / ref[key]:.2f}" if ref and key in r and key in ref else "-"
+                cells += f"{r.get(key + '_min')}/{r.get(key)}/{r.get(key + '_max')}".rjust(24)
+                cells += ratio.rjust(8)
+            print(f"{mode:<9}{r['layer_kernels']:>10}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}"
+                  f"{str(r['budget']):>7}{cells}"
                   f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}"
                   f"{r.get('graph_steps', 0):>7}{r.get('dense_graphs', '-'):>8}")
 

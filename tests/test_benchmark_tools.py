@@ -57,3 +57,32 @@ def test_quest_locality_counts_pages_picked_again_by_the_same_layer_and_head():
     step2 = {0: [{1, 2, 9, 10}, {6, 11}], 3: [{7, 8}]}     # 2 + 1 + 2 of 8 picks kept
     step3 = {0: [{5, 6, 1, 2}, {1, 2}], 3: [{9, 10}]}      # head 0 regains 1, 2; head 1 none
     assert carried_over([step1, step2, step3]) == [5 / 8, 2 / 8]
+
+
+def test_pipelined_steps_time_each_step_and_lose_no_token(tmp_path):
+    """quest.py's pipelined timing launches step n+1 before reading step n back, as the
+    engine's stages do: every step still delivers its token, in order, once."""
+    from common import shaped_model, smollm2
+    from quest import pipelined_steps
+
+    from astream.config import EngineConfig
+    from astream.core import EngineCore
+    from astream.sampling import SamplingParams
+
+    config = EngineConfig(model=str(shaped_model("tiny", max_positions=512, root=tmp_path)),
+                          load_format="dummy", tokenizer=smollm2(), device="cpu",
+                          dtype="float32", max_num_seqs=2, max_model_len=512)
+    core = EngineCore.create(config)
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    sink = core.add_request("a", list(range(100, 140)), params)
+    while not sink.tokens:
+        core.step()
+    times = pipelined_steps(core, 6)
+    assert len(times) == 5 and all(t > 0 for t in times)
+    assert len(sink.tokens) == 1 + 7                     # the prefill's token, then 7 launches
+    # The same tokens as synchronous steps from the same prompt.
+    again = core.add_request("b", list(range(100, 140)), params)
+    while len(again.tokens) < len(sink.tokens):
+        core.step()
+    assert again.tokens == sink.tokens
+    core.close()
