@@ -45,6 +45,39 @@ def sweep_scores(data, max_pages: int, reps: int) -> dict:
     return row
 
 
+def bounds_layouts(kmin: torch.Tensor, kmax: torch.Tensor) -> dict:
+    """The same bounds [pages, KVH, D] stored three ways (kernels take any strides)."""
+    pages, heads, dim = kmin.shape
+    by_head = torch.stack((kmin, kmax)).permute(0, 2, 1, 3).contiguous()      # [2, KVH, P, D]
+    both = torch.stack((kmin, kmax), dim=2).permute(1, 0, 2, 3).contiguous()  # [KVH, P, 2, D]
+    return {"page_major": (kmin, kmax),
+            "head_major": (by_head[0].transpose(0, 1), by_head[1].transpose(0, 1)),
+            "head_major_lo_hi_adjacent": (both[:, :, 0].transpose(0, 1),
+                                          both[:, :, 1].transpose(0, 1))}
+
+
+def sweep_layouts(data, max_pages: int, reps: int, copies: int = 4) -> dict:
+    """Scores kernel per bounds layout, each call on another copy (the bounds from HBM, as a
+    step's layers read them), at the engine's tile."""
+    q, kmin, kmax, tables, lens = data
+    base = scores(*data, max_pages, tqs.SCORE_BLOCK_P, 4)
+    n = int(lens.max()) // PAGE
+    row = {}
+    for name in bounds_layouts(kmin, kmax):
+        sets = [bounds_layouts(*pair)[name] if name != "page_major" else pair for pair in
+                [(kmin.clone(), kmax.clone()) for _ in range(copies)]]
+        same = torch.equal(scores(q, *sets[0], tables, lens, max_pages, tqs.SCORE_BLOCK_P, 4)[..., :n],
+                           base[..., :n])
+        calls = iter(range(1 << 30))
+
+        def next_copy():
+            i = next(calls) % copies
+            return scores(q, *sets[i], tables, lens, max_pages, tqs.SCORE_BLOCK_P, 4)
+        us = time_graph(next_copy, reps)
+        row[f"layout_{name}_us"] = us if same else f"{us} (differs)"
+    return row
+
+
 def sweep_selected(data, budget: int, max_pages: int, reps: int) -> dict:
     q, kmin, kmax, tables, lens = data
     pages, counts, _ = call(data, budget, max_pages, None)
@@ -73,17 +106,25 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--budget", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--layouts-only", action="store_true",
+                        help="only the scores kernel per bounds layout")
     args = parser.parse_args()
     rows = []
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             data = inputs(context, batch, seed=context + batch)
             max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
+            if args.layouts_only:
+                row = {"context": context, "batch": batch,
+                       **sweep_layouts(data, max_pages, args.reps)}
+                print(row, flush=True)
+                rows.append(row)
+                continue
             row = {"context": context, "batch": batch, **sweep_scores(data, max_pages, args.reps),
                    **sweep_selected(data, args.budget // PAGE, max_pages, args.reps)}
             print(row, flush=True)
             rows.append(row)
-    save("quest_kernel_sweep", {"rows": rows})
+    save("quest_kernel_layouts" if args.layouts_only else "quest_kernel_sweep", {"rows": rows})
 
 
 if __name__ == "__main__":
