@@ -31,7 +31,6 @@ MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
 # Bisection bounds on the int32 keys: below every key, and above every key.
 BELOW_KEYS = tl.constexpr(-2147483648 - 1)
 ABOVE_KEYS = tl.constexpr(2147483648)
-FORCED_KEY = tl.constexpr(0x7F800000)   # the key of +inf: sink and recent pages
 
 
 @triton.jit
@@ -151,68 +150,6 @@ def _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
 
 
 @triton.jit
-def _key_score(key):
-    """The float score of an int32 key (the inverse of _rank_keys's image)."""
-    return tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_of(score):
-    bits = score.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _bracket(row, keys, lanes, n_pages, sink, recent, HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """(lowest key, highest key below the forced pages', count of forced pages) of a row."""
-    valid = lanes < n_pages
-    low = tl.min(tl.where(valid, keys, FORCED_KEY), axis=0)
-    high = tl.max(tl.where(valid & (keys < FORCED_KEY), keys, -2147483648), axis=0)
-    forced = tl.sum((valid & (keys == FORCED_KEY)).to(tl.int32), axis=0)
-    for start in range(HEAD, n_pages, TAIL):
-        pos = start + tl.arange(0, TAIL)
-        chunk = _rank_keys(row, pos, n_pages, sink, recent)
-        ok = pos < n_pages
-        low = tl.minimum(low, tl.min(tl.where(ok, chunk, FORCED_KEY), axis=0))
-        high = tl.maximum(high, tl.max(tl.where(ok & (chunk < FORCED_KEY), chunk, -2147483648),
-                                       axis=0))
-        forced += tl.sum((ok & (chunk == FORCED_KEY)).to(tl.int32), axis=0)
-    return low, high, forced
-
-
-@triton.jit
-def _search_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                      HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """As _bisect_threshold, but guessing the threshold by interpolating the scores linearly
-    between the bracket's ends (inside the row's own key range); a guess that fails to halve
-    the range is followed by a bisection step. Experiment: no faster than the bisection."""
-    low, high, forced = _bracket(row, keys, lanes, n_pages, sink, recent, HEAD, TAIL)
-    guided = (forced < budget) & (n_pages > budget)
-    lo = tl.where(guided, low.to(tl.int64), tl.full([], BELOW_KEYS, tl.int64))
-    hi = tl.where(guided, high.to(tl.int64) + 1, tl.full([], ABOVE_KEYS, tl.int64))
-    at_lo = n_pages
-    above = tl.where(guided, forced, 0)
-    bisect = ~guided
-    while (hi - lo > 1) & (at_lo > budget):
-        width = hi - lo
-        frac = (at_lo - budget + 0.5) / (at_lo - above).to(tl.float32)
-        lo_score = _key_score(lo.to(tl.int32))
-        hi_score = _key_score((hi - 1).to(tl.int32))
-        guess = _key_of(lo_score + (hi_score - lo_score) * frac).to(tl.int64)
-        margin = tl.maximum(width // 16, 1)
-        guess = tl.minimum(tl.maximum(guess, lo + margin), hi - margin)
-        mid = tl.where(bisect, (lo + hi) // 2, guess)
-        count = _count_at_least(row, keys, lanes, n_pages, sink, recent, mid.to(tl.int32),
-                                HEAD, TAIL)
-        lo = tl.where(count >= budget, mid, lo)
-        at_lo = tl.where(count >= budget, count, at_lo)
-        above = tl.where(count >= budget, above, count)
-        hi = tl.where(count >= budget, hi, mid)
-        bisect = (~guided) | ((~bisect) & ((hi - lo) * 2 > width))
-    return tl.maximum(lo, -2147483648).to(tl.int32), at_lo, above
-
-
-@triton.jit
 def _emit_picks(chunk, pos, n_pages, threshold, cut_ties, ties_wanted, taken, ties, last,
                 idx_row, phys_row, table_row, PPB: tl.constexpr, WRITE_PHYSICAL: tl.constexpr):
     """Write this piece's picks (key >= threshold; of the keys equal to it, the lowest
@@ -248,7 +185,7 @@ def _select_kernel(
     row = scores_ptr + b * stride_sb + h * stride_sh
     lanes = tl.arange(0, HEAD)
     keys = _rank_keys(row, lanes, n_pages, sink, recent)   # the row's head, kept in registers
-    threshold, at_threshold, above = _search_threshold(row, keys, lanes, n_pages, sink, recent,
+    threshold, at_threshold, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent,
                                                        budget, HEAD, TAIL)
     cut_ties = at_threshold > budget
     ties_wanted = budget - above
