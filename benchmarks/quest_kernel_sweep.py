@@ -17,7 +17,7 @@ import torch
 import triton
 
 from common import save  # noqa: I001
-from quest_select_sweep import BLOCK, DIM, GROUP, KV_HEADS, PAGE, call, inputs, time_graph
+from quest_select_sweep import BLOCK, DIM, GROUP, KV_HEADS, PAGE, call, cases, time_graph
 from astream.ops import triton_quest_select as tqs
 from astream.ops.triton_quest import group_tile, paged_decode_selected_triton
 
@@ -110,20 +110,15 @@ def main() -> None:
                         help="only the scores kernel per bounds layout")
     args = parser.parse_args()
     rows = []
-    for context in map(int, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            data = inputs(context, batch, seed=context + batch)
-            max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
-            if args.layouts_only:
-                row = {"context": context, "batch": batch,
-                       **sweep_layouts(data, max_pages, args.reps)}
-                print(row, flush=True)
-                rows.append(row)
-                continue
-            row = {"context": context, "batch": batch, **sweep_scores(data, max_pages, args.reps),
-                   **sweep_selected(data, args.budget // PAGE, max_pages, args.reps)}
-            print(row, flush=True)
-            rows.append(row)
+    for context, batch, data, max_pages in cases(args):
+        row = {"context": context, "batch": batch}
+        if args.layouts_only:
+            row.update(sweep_layouts(data, max_pages, args.reps))
+        else:
+            row.update(sweep_scores(data, max_pages, args.reps))
+            row.update(sweep_selected(data, args.budget // PAGE, max_pages, args.reps))
+        print(row, flush=True)
+        rows.append(row)
     save("quest_kernel_layouts" if args.layouts_only else "quest_kernel_sweep", {"rows": rows})
 
 

@@ -12,6 +12,7 @@ every variant picks the same pages. Medians of --reps replays, microseconds per 
 from __future__ import annotations
 
 import argparse
+from typing import Iterator
 
 import torch
 
@@ -32,6 +33,14 @@ def inputs(context: int, batch: int, seed: int) -> tuple:
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, KV_HEADS * GROUP, DIM, generator=gen, device="cuda").bfloat16()
     return q, kmin, kmax, tables, lens
+
+
+def cases(args) -> Iterator[tuple[int, int, tuple, int]]:
+    """(context, batch, inputs, max pages of a row) for each case of --contexts x --batches."""
+    for context in map(int, args.contexts.split(",")):
+        for batch in map(int, args.batches.split(",")):
+            max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
+            yield context, batch, inputs(context, batch, seed=context + batch), max_pages
 
 
 def call(args, budget_pages: int, max_pages: int, warps: int | None,
@@ -62,24 +71,21 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     rows = []
-    for context in map(int, args.contexts.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            data = inputs(context, batch, seed=context + batch)
-            max_pages = -(-context // BLOCK) * (BLOCK // PAGE) + BLOCK // PAGE
-            budget = args.budget // PAGE
-            picked = {}
-            head = tqs.register_head(max_pages - BLOCK // PAGE)
-            row = {"context": context, "batch": batch, "budget_pages": budget, "head": head}
-            variants = {f"warps{w}": (w, head) for w in (4, 8, 16)}
-            variants["half_head"] = (None, head // 2)
-            for name, (warps, limit) in variants.items():
-                picked[name] = call(data, budget, max_pages, warps, limit)[0].clone()
-                row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps, limit),
-                                               args.reps)
-            first = next(iter(picked.values()))
-            row["same_pages"] = all(torch.equal(first, other) for other in picked.values())
-            print(row, flush=True)
-            rows.append(row)
+    for context, batch, data, max_pages in cases(args):
+        budget = args.budget // PAGE
+        picked = {}
+        head = tqs.register_head(max_pages - BLOCK // PAGE)
+        row = {"context": context, "batch": batch, "budget_pages": budget, "head": head}
+        variants = {f"warps{w}": (w, head) for w in (4, 8, 16)}
+        variants["half_head"] = (None, head // 2)
+        for name, (warps, limit) in variants.items():
+            picked[name] = call(data, budget, max_pages, warps, limit)[0].clone()
+            row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps, limit),
+                                           args.reps)
+        first = next(iter(picked.values()))
+        row["same_pages"] = all(torch.equal(first, other) for other in picked.values())
+        print(row, flush=True)
+        rows.append(row)
     save("quest_select_sweep", {"rows": rows})
 
 
