@@ -206,7 +206,8 @@ assert again.chat_template == first.chat_template and again.eos_token_id == 2
 
 
 def test_building_and_a_cached_load_never_import_transformers(smollm2_path, tmp_path):
-    env = {**os.environ, "ASTREAM_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])}
+    path = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "ASTREAM_CACHE_DIR": str(tmp_path), "PYTHONPATH": path}
     proc = subprocess.run([sys.executable, "-c", CHILD, str(smollm2_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
