@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 
 import pytest
 
@@ -20,7 +21,7 @@ def test_the_installed_triton_keeps_a_memoized_cache_key():
 def test_warmup_computes_the_key_once_in_its_own_thread(monkeypatch):
     calls = []
     monkeypatch.setattr(triton_warmup, "find_cache_key_function",
-                        lambda: lambda: calls.append(__import__("threading").current_thread().name))
+                        lambda: lambda: calls.append(threading.current_thread().name))
     thread = triton_warmup.start_cache_key_warmup()
     thread.join(timeout=10)
     assert calls == ["astream-triton-key"] and thread.daemon

@@ -1,7 +1,7 @@
 """Triton's once-a-process cost, moved off the load's critical path.
 
 The first Triton kernel a process looks up makes Triton compute its cache key: a SHA-256
-of its own shared library (about 500 MB), 0.35 s on the H200 machine. The hash reads a
+of its own shared library (400-500 MB), 0.35 s on the H200 machine. The hash reads a
 file and runs in hashlib, both of which release the GIL, so a thread started before the
 weights load computes it while they load. Triton memoizes the key, so the kernels' first
 lookup then finds it ready. Where this Triton keeps the key elsewhere, nothing happens.
