@@ -293,7 +293,8 @@ class EngineCore:
                 "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_device_layers": sorted(engine.device_layers),
-                "offload_bytes_offloaded": engine.bytes_offloaded}
+                "offload_bytes_offloaded": engine.bytes_offloaded,
+                "quest_pages_loaded": engine.reuse.pages_loaded()}
 
 
 def _chunk_step(runner: ModelRunner, align: int) -> int:

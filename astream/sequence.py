@@ -34,6 +34,7 @@ class Sequence:
     num_computed_tokens: int = 0                    # tokens whose KV is written or scheduled
     num_hashed_blocks: int = 0                      # leading blocks already published to the cache
     num_pending: int = 0
+    kv_epoch: int = 0                               # this life of block_table (BlockManager)
     finish_reason: str | None = None
     paused: bool = False                            # its consumer fell behind (backpressure)
     faults: int = 0                                 # failed steps it took part in

@@ -8,7 +8,8 @@ timed two ways: synchronously (EngineCore.step with the device synchronized, so 
 its whole latency, host work included), and pipelined as the engine's stages run them (the
 next step is scheduled, prepared and launched before the previous one's tokens are read
 back, so host work hides behind the device): the interval between consecutive steps'
-results. With offload, bytes moved per step: ring loads (Full) or gathered pages.
+results. With offload, bytes moved per step: ring loads (Full) or gathered pages (with
+--reuse-pages, only the pages a row's slots did not already hold).
 
     python benchmarks/quest.py                 # GPU -> quest_speed.json
     python benchmarks/quest.py --smoke         # CPU, tiny shape
@@ -67,7 +68,8 @@ def pipelined_steps(core: EngineCore, steps: int) -> list[float]:
 
 def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto") -> None:
     runtime = core.runner.policy
-    runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers)
+    runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers,
+                                 reuse_pages=runtime.policy.reuse_pages)
     core.runner.decoder.kernels = LayerKernels(kernels)
     # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
     core.runner.graphs = None
@@ -111,7 +113,8 @@ def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: 
 
 def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
     loaded = after.get("offload_bytes_loaded", 0) - before.get("offload_bytes_loaded", 0)
-    pages = sum(after.get("quest_pages_read", [0])) - sum(before.get("quest_pages_read", [0]))
+    counter = "quest_pages_loaded" if any(after.get("quest_pages_loaded", [])) else "quest_pages_read"
+    pages = sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
     element = 1 if after["kv_cache_dtype"].startswith("float8") else 2
     gathered = pages * PAGE_ELEMENTS * element if after["offload"] else 0
     return {"context": ctx, "batch": batch, "budget": "full" if budget == FULL else budget,
@@ -160,6 +163,8 @@ def main() -> None:
     parser.add_argument("--dense-graphs", default="auto",
                         help="offload Full: auto (the engine's rule: a chain of graphs) or never "
                              "(the eager ring), or both in turn: never,auto")
+    parser.add_argument("--reuse-pages", action="store_true",
+                        help="offload: keep selected pages on the device between steps")
     parser.add_argument("--name", default=None, help="results file name")
     args = parser.parse_args()
     kernel_sets = [k for k in args.layer_kernels.split(",") if k]
@@ -168,7 +173,8 @@ def main() -> None:
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
                 tokenizer=args.tokenizer or smollm2(), device="cpu" if smoke else "cuda",
                 dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
-                sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2),
+                sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2,
+                                          reuse_pages=args.reuse_pages),
                 max_num_batched_tokens=16384, enforce_eager=args.eager)
     budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
     if args.budgets:

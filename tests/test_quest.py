@@ -25,9 +25,11 @@ def full_tokens():
         return [o.token_ids for o in llm.generate([LONG, *SHORT], GREEDY)]
 
 
-def quest_llm(offload: bool, budget: int, dense_layers: int = 2, **engine) -> LLM:
+def quest_llm(offload: bool, budget: int, dense_layers: int = 2, reuse_pages: bool = False,
+              **engine) -> LLM:
     return LLM(**{**KW, **engine}, offload=offload,
-               sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=dense_layers))
+               sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=dense_layers,
+                                         reuse_pages=reuse_pages))
 
 
 @pytest.mark.parametrize("offload", MODES)
@@ -82,6 +84,35 @@ def test_offload_steps_that_mix_sparse_decode_with_chunked_prefill_match_residen
             outs = llm.generate([LONG, other], GREEDY)
             assert sum(llm.stats()["quest_selections"]) > 0
         results.append([o.token_ids for o in outs])
+    assert results[0] == results[1]
+
+
+def test_reused_pages_give_the_same_tokens_and_load_fewer_pages():
+    """With reuse_pages, an offloaded step reads its chosen pages where the step before left
+    them: the same tokens as loading every page, fewer pages over PCIe. Sequences served
+    one after another in the same row (blocks freed and reused) never read another's page."""
+    prompts = [LONG, LONG.replace("stones", "pebbles"), LONG.replace("box", "crate")]
+    results, stats = {}, {}
+    for reuse in (False, True):
+        with quest_llm(True, budget=128, reuse_pages=reuse, max_num_seqs=1,
+                       enable_prefix_caching=False, num_kv_blocks=128) as llm:
+            results[reuse] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            stats[reuse] = llm.stats()
+    assert results[True] == results[False]
+    read, loaded = stats[True]["quest_pages_read"], stats[True]["quest_pages_loaded"]
+    assert read == stats[False]["quest_pages_read"] and stats[False]["quest_pages_loaded"] == [0] * 30
+    assert loaded[:2] == [0, 0] and all(0 < n < r for n, r in zip(loaded[2:], read[2:]))
+    # Each sequence's first step loads all 8 of its pages a row and head; later steps less.
+    assert all(n >= 3 * 8 * 3 for n in loaded[2:])           # 3 sequences x 3 KV heads
+
+
+def test_reused_pages_in_a_batch_match_loading_every_page():
+    prompts = [LONG, LONG.replace("stones", "pebbles"), *SHORT]
+    results = []
+    for reuse in (False, True):
+        with quest_llm(True, budget=128, reuse_pages=reuse, max_num_batched_tokens=256) as llm:
+            results.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
+            assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
     assert results[0] == results[1]
 
 
@@ -140,7 +171,7 @@ def test_bad_policy_options_are_named(kwargs, message):
 
 
 @pytest.mark.parametrize("bad", [dict(page_size=12), dict(budget_tokens=0), dict(gqa_reduce="mean"),
-                                 dict(dense_layers=-1)])
+                                 dict(dense_layers=-1), dict(reuse_pages="yes")])
 def test_quest_parameters_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         QuestPolicy(**bad)

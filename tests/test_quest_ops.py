@@ -212,6 +212,33 @@ def test_gather_reference_copies_selected_pages():
 
 
 
+def destination_pages(seed: int, page_src: torch.Tensor) -> torch.Tensor:
+    """Per (row, head) a permutation of the destination pages, about a third of them -1."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, kvh, n_sel = page_src.shape
+    perm = torch.argsort(torch.rand(batch, kvh, n_sel, generator=gen), dim=-1)
+    return torch.where(torch.rand(batch, kvh, n_sel, generator=gen) < 0.35, -1, perm)
+
+
+def test_gather_to_destination_pages_copies_only_those_with_one():
+    src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(5)
+    dst_pages = destination_pages(5, page_src)
+    quest.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages=dst_pages)
+    for b, h in itertools.product(*map(range, page_src.shape[:2])):
+        written = {}
+        for j in range(int(counts[b, h])):
+            if dst_pages[b, h, j] >= 0:
+                written[int(dst_pages[b, h, j])] = divmod(int(page_src[b, h, j]), 2)
+        for slot in range(page_src.shape[2]):
+            got = dst_k[b, h, slot * 16:(slot + 1) * 16], dst_v[b, h, slot * 16:(slot + 1) * 16]
+            if slot not in written:
+                assert torch.all(got[0] == 7) and torch.all(got[1] == 7)
+                continue
+            blk, sub = written[slot]
+            assert torch.equal(got[0], src_k[blk, h, sub * 16:(sub + 1) * 16])
+            assert torch.equal(got[1], src_v[blk, h, sub * 16:(sub + 1) * 16])
+
+
 def test_gathered_pages_attend_like_the_paged_cache():
     """Offload flow: gather host pages into a dense buffer, attend it as a one-block-per-
     sequence cache (arbitrary strides), and get the selected-pages result of the pool."""
@@ -269,19 +296,24 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         torch.testing.assert_close(lse, ref_lse, atol=tol32, rtol=tol32)
         n += 1
     n += check_triton_quest_fp8(device, tol16)
-    for seed, with_counts, fp8 in ((0, True, False), (1, False, False), (2, True, True)):
+    for seed, with_counts, fp8, to_pages in ((0, True, False, False), (1, False, False, False),
+                                             (2, True, True, False), (3, True, False, True),
+                                             (4, False, True, True)):
         src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
+        dst_pages = destination_pages(seed, page_src) if to_pages else None
         if fp8:     # the host pool of an fp8 cache: bytes move as they are
             src_k, src_v, dst_k, dst_v = (t.to(torch.float8_e4m3fn) for t in (src_k, src_v, dst_k, dst_v))
         counts = counts if with_counts else None
         page_src = page_src.clamp(min=0)
         want_k, want_v = dst_k.clone(), dst_v.clone()
-        quest.gather_pages_ref(src_k, src_v, page_src, want_k, want_v, counts)
+        quest.gather_pages_ref(src_k, src_v, page_src, want_k, want_v, counts, dst_pages)
         dst_k, dst_v = dst_k.to(device), dst_v.to(device)
         counts = counts.to(device) if with_counts else None
+        dst_pages = dst_pages.to(device) if to_pages else None
         if device == "cuda":        # the engine's host pool is pinned: read in place, zero-copy
             src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
-        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts)
+        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts,
+                                         dst_pages)
         assert torch.equal(dst_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
         assert torch.equal(dst_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
         n += 1
@@ -308,7 +340,7 @@ def check_triton_quest_fp8(device: str, tol: float) -> int:
     return len(cases)
 
 
-N_TRITON_CASES = len(SELECTED_CASES) + 2 + 3
+N_TRITON_CASES = len(SELECTED_CASES) + 2 + 5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")

@@ -104,10 +104,17 @@ class OffloadAttention:
         chosen = self.policy.select_decode(layer, DecodeQuery(
             q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
         rows, heads, picked = chosen.indices.shape
-        dk, dv = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
+        reused = None
+        if context.owners is not None and self.policy.reuses_decode_pages():
+            reused = self.engine.gather_reused_pages(layer, chosen.physical, chosen.counts,
+                                                     chosen.page_size, context.owners)
         if self.gathered_view is None:          # the same shapes on every sparse layer of a step
             self.gathered_view = _gathered_view(rows, heads, picked, chosen.page_size, q.device)
         own_block, page_list, every_token = self.gathered_view
+        if reused is None:
+            dk, dv = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
+        else:                                   # the pages sit in the rows' slots, in any order
+            dk, dv, page_list = reused
         part = self.backends.paged_decode_selected(
             q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
             every_token, page_size=chosen.page_size, scale=self.scale,

@@ -93,6 +93,7 @@ class OffloadDecodeGraphs:
             "tail_lens": zeros(b, dtype=torch.int32),
             "host_tables": zeros(b, m, dtype=torch.int32),  # full host blocks: pages to pick from
             "host_lens": zeros(b, dtype=torch.int32),
+            "owners": zeros(b),                             # each row's sequence's kv_epoch
             "rows": torch.arange(b, device=device),
             "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
                                   device=device),
@@ -164,9 +165,11 @@ class OffloadDecodeGraphs:
         context = plan.decode_context
         if context is None:                 # no row has a full block on the host yet
             buf["host_lens"][:n].zero_()
+            buf["owners"][:n].fill_(-1)
         else:
             buf["host_tables"][:n, :context.block_tables.shape[1]].copy_(context.block_tables)
             buf["host_lens"][:n].copy_(context.context_lens)
+            buf["owners"][:n].copy_(context.owners)
 
     def _pad(self, n: int, size: int) -> None:
         """Rows n..size: one token in the scratch tail, no host page, nothing else touched."""
@@ -177,13 +180,14 @@ class OffloadDecodeGraphs:
         buf["tail_tables"][n:size].fill_(scratch_tail)
         buf["tail_lens"][n:size].fill_(1)
         buf["host_lens"][n:size].zero_()
+        buf["owners"][n:size].fill_(-1)                  # no sequence's: their slots start empty
 
     def _run_eager(self, size: int, capture: ChainCapture | None = None) -> torch.Tensor:
         """The static program over rows :size (what a graph, or a chain of them, captures)."""
         buf, engine, layers = self.buffers, self.engine, self.decoder.config.num_layers
         rows = buf["rows"][:size]
         host = DecodeContext(rows, buf["host_tables"][:size], buf["host_lens"][:size], self.max_context,
-                             every_row=True)
+                             every_row=True, owners=buf["owners"][:size])
         plan = OffloadStepPlan(
             jobs=[], prefill_jobs=[], decode_jobs=[], num_prefill_tokens=0, chunk_meta=None,
             new_kv=NewKV(None, None, rows, buf["tail_index"][:size], (), ()),

@@ -52,6 +52,7 @@ class DecodeContext:
     max_context: int
     host_blocks: int = 0                           # all rows' full host blocks together
     every_row: bool = False                        # rows is 0..D-1: the step decodes alone
+    owners: torch.Tensor | None = None             # [D] int64 each row's sequence's kv_epoch
 
 
 @dataclass(slots=True, frozen=True)
@@ -138,6 +139,7 @@ class _PlanBuilder:
     tail_lens: list[int] = field(default_factory=list)
     decode_rows: list[int] = field(default_factory=list)
     decode_tables: list[list[int]] = field(default_factory=list)
+    decode_owners: list[int] = field(default_factory=list)
     chunk_cu: list[int] = field(default_factory=lambda: [0])
     staging_used: int = 0
 
@@ -175,6 +177,7 @@ class _PlanBuilder:
             self.tail_offloads.append(Run(tail, seq.block_table[context_blocks], 1))
         self.decode_rows.append(row)
         self.decode_tables.append(seq.block_table[:context_blocks])
+        self.decode_owners.append(seq.kv_epoch)
 
 
 def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
@@ -223,7 +226,8 @@ def _decode_context(plan: _PlanBuilder, device: torch.device) -> DecodeContext |
     lens = [len(t) * plan.block_size for t in plan.decode_tables]
     return DecodeContext(_tensor(plan.decode_rows, torch.int64, device),
                          _tensor(tables, torch.int32, device), _tensor(lens, torch.int32, device),
-                         max(lens), sum(len(t) for t in plan.decode_tables))
+                         max(lens), sum(len(t) for t in plan.decode_tables),
+                         owners=_tensor(plan.decode_owners, torch.int64, device))
 
 
 def _pack(jobs: list[JobTemplate], slot_blocks: int, blocks: list[int], row: int, n: int,

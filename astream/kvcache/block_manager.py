@@ -11,9 +11,10 @@ of thousands of blocks costs nothing until it is used, not a second of engine st
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 
 class BlockOwner(Protocol):
@@ -25,6 +26,8 @@ class BlockOwner(Protocol):
     num_computed_tokens: int
     num_hashed_blocks: int
     num_pending: int                   # sampled tokens whose ids the host has not seen yet
+    kv_epoch: int                      # names this life of block_table: set anew, unique,
+                                       # whenever an empty table gets its first block
 
     @property
     def num_tokens(self) -> int: ...
@@ -50,6 +53,7 @@ class BlockManager:
                                                             # unhashed first, then least recently freed
     cached: dict[int, int] = field(default_factory=dict)    # hash -> block_id
     prefix_hits: int = 0                             # blocks reused from the cache, for stats
+    epochs: Iterator[int] = field(default_factory=lambda: itertools.count(1))
 
     @property
     def num_free(self) -> int:
@@ -66,6 +70,7 @@ class BlockManager:
         At least one token is always left to compute, so the last logits exist.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
+        seq.kv_epoch = next(self.epochs)
         if not self.enable_prefix_caching:
             return 0
         prev_hash, hits = None, 0
@@ -115,6 +120,8 @@ class BlockManager:
         need = self.blocks_needed(num_tokens) - len(seq.block_table)
         if need > self.num_free:
             raise RuntimeError(f"out of KV blocks: need {need}, {self.num_free} free")
+        if need > 0 and not seq.block_table:
+            seq.kv_epoch = next(self.epochs)
         for _ in range(max(need, 0)):
             block_id = self._pick(seq.block_table[-1] + 1 if seq.block_table else None)
             self._evict(block_id)

@@ -170,14 +170,20 @@ def paged_decode_selected_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block
 
 
 def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
-                     dst_v: Tensor, counts: Tensor | None = None) -> None:
+                     dst_v: Tensor, counts: Tensor | None = None,
+                     dst_pages: Tensor | None = None) -> None:
     """Copy pages of a head-major pool into dense buffers (all tensors on one device).
 
     src [num_blocks, KVH, block_size, D]; page_src [B, KVH, P] int64 physical page ids
     (block * ppb + j); dst [B, KVH, P * page_size, D], page_size = dst.shape[2] // P.
     Entry (b, h, p) fills dst[b, h, p*page_size:(p+1)*page_size] from KV head h of that
     page. With counts [B, KVH], entries p >= counts are skipped (dst keeps its contents).
+    With dst_pages [B, KVH, P] (distinct per row and head), entry p fills destination page
+    dst_pages[b, h, p] instead of p, and entries whose dst_pages is negative are skipped.
     """
+    if dst_pages is not None:
+        _gather_to_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages)
+        return
     batch, kv_heads, n_sel = page_src.shape
     page_size = dst_k.shape[2] // max(n_sel, 1)
     ppb = pages_per_block(src_k.shape[2], page_size)
@@ -192,6 +198,24 @@ def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tens
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
         dst_pages = dst.unflatten(2, (n_sel, page_size))
         dst_pages.copy_(torch.where(keep, src[blocks, heads, toks].to(dst.dtype), dst_pages))
+
+
+def _gather_to_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
+                         dst_v: Tensor, counts: Tensor | None, dst_pages: Tensor) -> None:
+    """gather_pages_ref with destination pages (boolean indexing: the CPU reference only)."""
+    n_sel = page_src.shape[2]
+    page_size = dst_k.shape[2] // max(n_sel, 1)
+    ppb = pages_per_block(src_k.shape[2], page_size)
+    keep = dst_pages >= 0
+    if counts is not None:
+        keep &= torch.arange(n_sel, device=page_src.device) < counts.unsqueeze(-1)
+    b, h, p = keep.nonzero(as_tuple=True)
+    ids = page_src[b, h, p].long()
+    toks = (ids % ppb).unsqueeze(-1) * page_size + torch.arange(page_size, device=ids.device)
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        dst_view = dst.unflatten(2, (n_sel, page_size))
+        dst_view[b, h, dst_pages[b, h, p].long()] = src[(ids // ppb).unsqueeze(-1),
+                                                        h.unsqueeze(-1), toks].to(dst.dtype)
 
 
 def select_quest_backend(device: torch.device | str) -> str:
@@ -214,11 +238,11 @@ def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
 
 
 def gather_pages(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor, dst_v: Tensor,
-                 counts: Tensor | None = None) -> None:
+                 counts: Tensor | None = None, dst_pages: Tensor | None = None) -> None:
     """`gather_pages_ref`'s contract; on CUDA dst the Triton kernel also reads a pinned
     host src directly (zero-copy), one page per program."""
     if select_quest_backend(dst_k.device) == "triton":
         from astream.ops import triton_quest
-        triton_quest.gather_pages_triton(src_k, src_v, page_src, dst_k, dst_v, counts)
+        triton_quest.gather_pages_triton(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages)
         return
-    gather_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts)
+    gather_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages)

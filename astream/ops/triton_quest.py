@@ -77,11 +77,11 @@ def _selected_split_kernel(
 
 @triton.jit
 def _gather_pages_kernel(
-    src_k, src_v, pages_ptr, counts_ptr, dst_k, dst_v,
+    src_k, src_v, pages_ptr, counts_ptr, dst_pages_ptr, dst_k, dst_v,
     stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_pb, stride_ph,
     stride_cb, stride_ch, stride_db, stride_dh, stride_dt, stride_eb, stride_eh, stride_et,
     PPB: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
+    HAS_COUNTS: tl.constexpr, HAS_DST_PAGES: tl.constexpr,
 ):
     sel = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,13 +90,18 @@ def _gather_pages_kernel(
     if HAS_COUNTS:
         count = tl.load(counts_ptr + b * stride_cb + h * stride_ch)
     page = tl.load(pages_ptr + b * stride_pb + h * stride_ph + sel).to(tl.int64)
+    dst_page = sel.to(tl.int64)
+    if HAS_DST_PAGES:          # same strides as the page ids; negative: nothing to copy
+        dst_page = tl.load(dst_pages_ptr + b * stride_pb + h * stride_ph + sel).to(tl.int64)
+        count = tl.where(dst_page >= 0, count, 0)
+        dst_page = tl.maximum(dst_page, 0)
     toks = tl.arange(0, PAGE)
     dims = tl.arange(0, D_PAD)
     # A skipped entry (maybe a garbage id) is masked on both sides: no bytes move for it.
     n_copy = tl.where(sel < count, PAGE, 0)
     mask = _dim_mask(toks < n_copy, dims, HEAD_DIM, D_PAD)
     src_t = ((page % PPB) * PAGE + toks)[:, None]
-    dst_t = (sel * PAGE + toks)[:, None].to(tl.int64)
+    dst_t = (dst_page * PAGE + toks)[:, None]
     blk = page // PPB
     k = tl.load(src_k + blk * stride_kb + h * stride_kh + src_t * stride_kt + dims[None, :],
                 mask=mask)
@@ -174,7 +179,8 @@ def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
-                        dst_v: Tensor, counts: Tensor | None = None) -> None:
+                        dst_v: Tensor, counts: Tensor | None = None,
+                        dst_pages: Tensor | None = None) -> None:
     """See astream.ops.quest.gather_pages_ref. src may be pinned host memory (mapped into
     the device's address space); every tensor needs a contiguous head_dim."""
     batch, kv_heads, n_sel = page_src.shape
@@ -184,13 +190,15 @@ def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: T
     block_size, head_dim = src_k.shape[2], src_k.shape[3]
     if page_size & (page_size - 1) or block_size % page_size:
         raise ValueError(f"page_size {page_size}: need a power of two dividing {block_size}")
-    page_src = page_src if page_src.stride(-1) == 1 else page_src.contiguous()
-    has_counts = counts is not None
+    page_src = page_src.contiguous()
+    has_counts, has_dst = counts is not None, dst_pages is not None
     counts = counts if has_counts else page_src  # unread placeholder
+    dst_pages = dst_pages.contiguous() if has_dst else page_src
     _gather_pages_kernel[(n_sel, kv_heads, batch)](
-        src_k, src_v, page_src, counts, dst_k, dst_v, *src_k.stride()[:3], *src_v.stride()[:3],
+        src_k, src_v, page_src, counts, dst_pages, dst_k, dst_v, *src_k.stride()[:3],
+        *src_v.stride()[:3],
         page_src.stride(0), page_src.stride(1), counts.stride(0), counts.stride(1),
         *dst_k.stride()[:3], *dst_v.stride()[:3], PPB=block_size // page_size, PAGE=page_size,
         HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim), HAS_COUNTS=has_counts,
-        num_warps=NUM_WARPS,
+        HAS_DST_PAGES=has_dst, num_warps=NUM_WARPS,
     )

@@ -83,6 +83,11 @@ class PolicyRuntime:
     def selects_decode(self, layer: int, max_context: int) -> bool:
         return False
 
+    def reuses_decode_pages(self) -> bool:
+        """Whether offloaded decode keeps the selected pages on the device from step to step
+        and loads only new ones (kvcache.page_reuse), host only."""
+        return False
+
     def may_select_decode(self) -> bool:
         """Whether some layer may ever select decode pages (host only): an offloaded step then
         also packs the ring jobs of prefill rows alone."""

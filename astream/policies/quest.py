@@ -10,6 +10,11 @@ of its full KV blocks and always with the first (the attention sink) and the new
 them; the sequence's newest, unfinished block is read whole besides (it is the device
 tail with offload, so both paths read the same pages). The first `dense_layers` layers
 read everything, as in the paper. A budget that covers the context is full attention.
+
+With offload, `reuse_pages=True` keeps each layer's selected pages on the device from one
+decode step to the next and loads over PCIe only those a row did not hold
+(kvcache.page_reuse). Attention reads the same pages either way. It costs device memory:
+per offloaded layer, two buffers of (max_num_seqs + 1) x KV heads x budget_tokens x head_dim.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class QuestPolicy(SparsePolicy):
     sink_pages: int = 1
     recent_pages: int = 1
     gqa_reduce: str = "max"
+    reuse_pages: bool = False
     name = "quest"
     phase = "decode"
 
@@ -48,6 +54,8 @@ class QuestPolicy(SparsePolicy):
             raise ValueError(f"QuestPolicy budget_tokens {self.budget_tokens} must hold at least the "
                              f"sink and recent pages ({self.sink_pages + self.recent_pages} of "
                              f"{self.page_size} tokens)")
+        if not isinstance(self.reuse_pages, bool):
+            raise ValueError(f"QuestPolicy reuse_pages must be True or False, got {self.reuse_pages!r}")
         if self.gqa_reduce not in ops.GQA_REDUCTIONS:
             raise ValueError(f"QuestPolicy gqa_reduce must be one of {ops.GQA_REDUCTIONS}, "
                              f"got {self.gqa_reduce!r}")
@@ -88,6 +96,9 @@ class QuestRuntime(PolicyRuntime):
 
     def watches_keys(self) -> bool:
         return self.may_select_decode()
+
+    def reuses_decode_pages(self) -> bool:
+        return self.policy.reuse_pages
 
     def may_select_decode(self) -> bool:
         return any(bounds is not None for bounds in self.bounds)
