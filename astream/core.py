@@ -65,7 +65,8 @@ class EngineCore:
         fmt = kv_format(config, model.decoder, model.tokenizer)
         overhead = _device_kv_overhead(policy, model.decoder.config.num_layers, config.offload,
                                        dtype.itemsize / fmt.element_size)
-        spec = _cache_spec(config, overhead, policy.sparse_prefill)
+        spec = _cache_spec(config, overhead, policy.sparse_prefill,
+                           _decode_buffer_bytes(policy, model.decoder.config, config, fmt.element_size))
         plan = plan_cache(spec, model.decoder.config, dtype, device, fmt.dtype)   # after the weights
         runtime = DeviceRuntime(device)
         if triton_key is not None:
@@ -294,7 +295,8 @@ class EngineCore:
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_device_layers": sorted(engine.device_layers),
                 "offload_bytes_offloaded": engine.bytes_offloaded,
-                "quest_pages_loaded": engine.reuse.pages_loaded()}
+                "quest_pages_loaded": engine.reuse.pages_loaded() if engine.reuse is not None
+                else [0] * len(engine.host_k)}
 
 
 def _chunk_step(runner: ModelRunner, align: int) -> int:
@@ -315,11 +317,23 @@ def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool,
     return policy.kv_overhead(num_layers) * metadata_per_kv_byte + mirrored
 
 
-def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False) -> CacheSpec:
+def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
+                         element_size: int) -> int:
+    """Device bytes of the policy's per-row decode buffers on the offloaded layers."""
+    if not config.offload:
+        return 0
+    layers = model.num_layers - len(policy.offload_device_layers(model.num_layers))
+    per_token = model.kv_bytes_per_token // model.num_layers * element_size
+    return policy.decode_buffer_tokens() * config.max_num_seqs * layers * per_token
+
+
+def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
+                device_reserve_bytes: int = 0) -> CacheSpec:
     return CacheSpec(
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, offload=config.offload,
         max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=config.offload_host_gib,
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
-        kv_overhead=kv_overhead, whole_prefix=sparse_prefill and config.offload)
+        kv_overhead=kv_overhead, whole_prefix=sparse_prefill and config.offload,
+        device_reserve_bytes=device_reserve_bytes)

@@ -107,13 +107,35 @@ def test_reused_pages_give_the_same_tokens_and_load_fewer_pages():
 
 
 def test_reused_pages_in_a_batch_match_loading_every_page():
+    """A batch of sequences decoding beside others' prefill chunks; and the decode policy of
+    a combined policy reuses its pages too."""
     prompts = [LONG, LONG.replace("stones", "pebbles"), *SHORT]
     results = []
-    for reuse in (False, True):
-        with quest_llm(True, budget=128, reuse_pages=reuse, max_num_batched_tokens=256) as llm:
+    for policy in ("quest(budget_tokens=128)", "quest(budget_tokens=128,reuse_pages=true)",
+                   "xattention(threshold=1.0)+quest(budget_tokens=128,reuse_pages=true)"):
+        with LLM(**KW, offload=True, sparse_policy=policy, max_num_batched_tokens=256) as llm:
             results.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
-            assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]
+            stats = llm.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        loaded, read = sum(stats["quest_pages_loaded"]), sum(stats["quest_pages_read"])
+        assert (0 < loaded < read) if "reuse" in policy else loaded == 0
     assert results[0] == results[1]
+
+
+def test_reused_page_buffers_are_counted_in_the_device_plan():
+    from astream.config import EngineConfig
+    from astream.core import _decode_buffer_bytes
+    from astream.models.config import ModelConfig
+
+    model = ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=100, hidden_size=256,
+                                     intermediate_size=512, num_hidden_layers=10,
+                                     num_attention_heads=8, num_key_value_heads=2, head_dim=64))
+    config = EngineConfig(offload=True, max_num_seqs=3)
+    reuse = QuestPolicy(budget_tokens=512, dense_layers=2, reuse_pages=True)
+    # 8 offloaded layers x 3 rows x 512 tokens x (K + V: 2 x 2 heads x 64) x 2 bytes
+    assert _decode_buffer_bytes(reuse, model, config, 2) == 8 * 3 * 512 * 256 * 2
+    assert _decode_buffer_bytes(QuestPolicy(budget_tokens=512), model, config, 2) == 0
+    assert _decode_buffer_bytes(reuse, model, EngineConfig(max_num_seqs=3), 2) == 0
 
 
 def test_blocks_come_back_after_preemption_prefix_hits_and_cancels_with_quest():

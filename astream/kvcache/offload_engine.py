@@ -132,7 +132,7 @@ class OffloadEngine:
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
                    buffers(max_seqs + 1, layers), fmt, pool, on_device, frozenset(device_layers),
                    h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers,
-                   reuse=PageReuse(max_seqs + 1, layers))
+                   reuse=PageReuse(max_seqs, layers))
 
     @property
     def slot_blocks(self) -> int:
@@ -247,7 +247,7 @@ class OffloadEngine:
         call `gather_pages`). `owners` [B] int64: each row's sequence's `kv_epoch`."""
         rows, kv_heads, width = page_src.shape
         host = self.host_k[layer]
-        found = None if rows > self.reuse.rows else self.reuse.layer(
+        found = None if self.reuse is None or rows > self.reuse.rows else self.reuse.layer(
             layer, kv_heads, width, page_size, host.shape[-1], host.dtype, self.runtime.device)
         if found is None:
             return None

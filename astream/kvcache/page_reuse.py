@@ -67,14 +67,15 @@ def plan_reuse(held: Tensor, owner: Tensor, want: Tensor, counts: Tensor,
 @dataclass(slots=True)
 class PageReuse:
     """Per offloaded sparse layer, the decode rows' page buffers and what their slots hold;
-    allocated at a layer's first use, for `rows` decode rows (the engine's max_num_seqs
-    plus the scratch row CUDA graphs pad with)."""
+    allocated at a layer's first use (before any graph is captured: the capture's warm-up
+    runs first), for `rows` decode rows (the engine's max_num_seqs; CUDA graphs pad up to
+    it), and counted in the device memory plan (`SparsePolicy.decode_buffer_tokens`)."""
 
     rows: int
     num_layers: int
     buffers: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = field(default_factory=dict)
     loaded: Tensor | None = None     # [layers] int64 pages loaded into slots (device)
-    disabled: bool = False           # a buffer could not be allocated: plain gathers
+    disabled: bool = False           # a buffer could not be allocated: no new ones
 
     def layer(self, layer: int, kv_heads: int, width: int, page_size: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -91,12 +92,12 @@ class PageReuse:
                      torch.empty(shape, dtype=dtype, device=device),
                      torch.full(shape[:2] + (width,), -1, dtype=torch.int64, device=device),
                      torch.full(shape[:2], -1, dtype=torch.int64, device=device))
-        except torch.OutOfMemoryError:
-            log.warning("Quest reuse_pages: no device memory for %d more bytes of page buffers; "
-                        "loading every selected page instead",
+        except torch.cuda.OutOfMemoryError:
+            # Buffers already handed out stay: a captured graph may still read them.
+            log.warning("Quest reuse_pages: no device memory for a layer's page buffers (%d "
+                        "bytes); its steps load every selected page",
                         2 * torch.Size(shape).numel() * dtype.itemsize)
             self.disabled = True
-            self.buffers.clear()
             return None
         self.buffers[layer] = found
         if self.loaded is None:

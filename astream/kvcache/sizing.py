@@ -37,6 +37,7 @@ class CacheSpec:
     offload_slot_tokens: int | None = None
     kv_overhead: float = 0.0        # device bytes of policy metadata per byte of KV in the cache
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
+    device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
 
 
 @dataclass(slots=True, frozen=True)
@@ -140,7 +141,7 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
         slot_blocks = -(-cfg.offload_slot_tokens // block)
     elif device.type == "cuda":
         fixed = (2 * staging_blocks + model.num_layers * (cfg.max_num_seqs + 1)) * layer_block_bytes \
-            + metadata_bytes
+            + metadata_bytes + cfg.device_reserve_bytes
         if cfg.whole_prefix:     # two max_model_len contexts packed, and one staged prefix piece
             fixed += 2 * -(-max_len // block) * packed_block_bytes \
                 + CONTEXT_STAGE_BLOCKS * layer_block_bytes

@@ -135,6 +135,12 @@ class SparsePolicy:
         """Whether it replaces prefill attention (with offload it then reads whole prefixes)."""
         return self.phase == "prefill"
 
+    def decode_buffer_tokens(self) -> int:
+        """With offload, tokens of KV the runtime keeps on the device per decode row and
+        offloaded layer besides the cache (Quest's `reuse_pages`), counted when the device
+        memory is planned."""
+        return 0
+
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose KV stays on the device too when the cache is offloaded: those that
         read their whole context every decode step, while other layers read only what the

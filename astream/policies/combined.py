@@ -41,6 +41,9 @@ class CombinedPolicy(SparsePolicy):
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         return self.decode.offload_device_layers(num_layers)
 
+    def decode_buffer_tokens(self) -> int:
+        return self.decode.decode_buffer_tokens()
+
     def bind(self, layout: KVLayout) -> "CombinedRuntime":
         return CombinedRuntime(self.prefill.bind(layout), self.decode.bind(layout))
 
@@ -62,6 +65,9 @@ class CombinedRuntime(PolicyRuntime):
 
     def may_select_decode(self) -> bool:
         return self.decode.may_select_decode()
+
+    def reuses_decode_pages(self) -> bool:
+        return self.decode.reuses_decode_pages()
 
     def replaces_prefill(self, layer: int) -> bool:
         return self.prefill.replaces_prefill(layer)

@@ -13,8 +13,9 @@ read everything, as in the paper. A budget that covers the context is full atten
 
 With offload, `reuse_pages=True` keeps each layer's selected pages on the device from one
 decode step to the next and loads over PCIe only those a row did not hold
-(kvcache.page_reuse). Attention reads the same pages either way. It costs device memory:
-per offloaded layer, two buffers of (max_num_seqs + 1) x KV heads x budget_tokens x head_dim.
+(kvcache.page_reuse). Attention reads the same pages either way. It costs device memory,
+counted when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV
+heads x budget_tokens x head_dim.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class QuestPolicy(SparsePolicy):
     def kv_overhead(self, num_layers: int) -> float:
         # min and max of K per page: 2 * K / page_size = (K + V) / page_size, on sparse layers.
         return max(0, num_layers - self.dense_layers) / max(1, num_layers) / self.page_size
+
+    def decode_buffer_tokens(self) -> int:
+        return self.budget_tokens if self.reuse_pages else 0
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         dense = min(self.dense_layers, num_layers)
