@@ -181,35 +181,15 @@ def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tens
     With dst_pages [B, KVH, P] (distinct per row and head), entry p fills destination page
     dst_pages[b, h, p] instead of p, and entries whose dst_pages is negative are skipped.
     """
-    if dst_pages is not None:
-        _gather_to_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages)
-        return
-    batch, kv_heads, n_sel = page_src.shape
-    page_size = dst_k.shape[2] // max(n_sel, 1)
-    ppb = pages_per_block(src_k.shape[2], page_size)
-    keep = torch.ones_like(page_src, dtype=torch.bool)
-    if counts is not None:
-        keep = torch.arange(n_sel, device=page_src.device) < counts.unsqueeze(-1)
-    ids = torch.where(keep, page_src, 0).long()
-    toks = (ids % ppb).unsqueeze(-1) * page_size + torch.arange(page_size, device=ids.device)
-    blocks = (ids // ppb).unsqueeze(-1)
-    heads = torch.arange(kv_heads, device=ids.device).view(1, -1, 1, 1)
-    keep = keep.view(batch, kv_heads, n_sel, 1, 1)
-    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        dst_pages = dst.unflatten(2, (n_sel, page_size))
-        dst_pages.copy_(torch.where(keep, src[blocks, heads, toks].to(dst.dtype), dst_pages))
-
-
-def _gather_to_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
-                         dst_v: Tensor, counts: Tensor | None, dst_pages: Tensor) -> None:
-    """gather_pages_ref with destination pages (boolean indexing: the CPU reference only)."""
     n_sel = page_src.shape[2]
     page_size = dst_k.shape[2] // max(n_sel, 1)
     ppb = pages_per_block(src_k.shape[2], page_size)
+    if dst_pages is None:
+        dst_pages = torch.arange(n_sel, device=page_src.device).expand(page_src.shape)
     keep = dst_pages >= 0
     if counts is not None:
         keep &= torch.arange(n_sel, device=page_src.device) < counts.unsqueeze(-1)
-    b, h, p = keep.nonzero(as_tuple=True)
+    b, h, p = keep.nonzero(as_tuple=True)       # garbage ids past the counts are never read
     ids = page_src[b, h, p].long()
     toks = (ids % ppb).unsqueeze(-1) * page_size + torch.arange(page_size, device=ids.device)
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
