@@ -20,6 +20,7 @@ from astream import LLM, SamplingParams
 from astream.executor.build import build_graphs
 from astream.ops.attention import VarlenMeta, varlen_attention
 from astream.ops.layer_kernels import LayerKernels
+from astream.policies import QuestPolicy
 
 PROMPTS = [
     "The quick brown fox",
@@ -29,11 +30,15 @@ PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
 ]
 REFERENCE = RESULTS / "cpu_reference_smollm2.json"
-# Quest with a budget the prompts outgrow (16-token blocks: pages reach the host early):
-# resident, offload from CUDA graphs, offload eager.
-QUEST = {"kv_block_size": 16, "sparse_policy": "quest", "sparse_budget": 32}
-QUEST_VARIANTS = {"quest32": {}, "offload_quest32_graphs": {"offload": True},
-                  "offload_quest32_eager": {"offload": True, "enforce_eager": True}}
+# Quest with a budget the prompts outgrow, in pages of 8 tokens: the offloaded part of a
+# context (its full 16-token blocks, at most 32 tokens here) still has pages to leave out.
+# Resident, offload from CUDA graphs, offload eager, offload keeping pages between steps.
+QUEST = {"kv_block_size": 16, "sparse_policy": QuestPolicy(budget_tokens=24, page_size=8)}
+QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
+                  "offload_quest_eager": {"offload": True, "enforce_eager": True},
+                  "offload_quest_reuse_graphs": {
+                      "offload": True,
+                      "sparse_policy": QuestPolicy(budget_tokens=24, page_size=8, reuse_pages=True)}}
 DENSE_VARIANTS = {"offload16_graphs": {"offload": True, "kv_block_size": 16},
                   "offload16_eager": {"offload": True, "kv_block_size": 16, "enforce_eager": True}}
 
@@ -124,7 +129,12 @@ def main() -> None:
                 results["fused_vs_reference_kernels"] = kernel_agreement(llm.core.model.decoder, reference)
                 print("fused vs reference kernels:", results["fused_vs_reference_kernels"], flush=True)
             outs = llm.generate([r["prompt_ids"] for r in reference], params)
-            graph_steps = llm.stats()["graph_steps"]
+            stats = llm.stats()
+            graph_steps = stats["graph_steps"]
+            if "quest_pages_read" in stats:     # summed over layers
+                results[f"{name}_pages"] = {key: sum(stats.get(key, [])) for key in
+                                            ("quest_pages_read", "quest_pages_loaded")}
+                print(f"{name} pages:", results[f"{name}_pages"], flush=True)
             # Sampling at the end of one graph (resident), and after a chain of them (offload, Full).
             key = {"gpu_bf16_graphs": "graph_sampling",
                    "gpu_bf16_offload16_graphs": "graph_sampling_offload16"}.get(name)

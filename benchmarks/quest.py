@@ -170,15 +170,18 @@ def main() -> None:
     kernel_sets = [k for k in args.layer_kernels.split(",") if k]
     smoke = args.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
-    base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
-                tokenizer=args.tokenizer or smollm2(), device="cpu" if smoke else "cuda",
-                dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
-                sparse_policy=QuestPolicy(budget_tokens=FULL, dense_layers=0 if smoke else 2,
-                                          reuse_pages=args.reuse_pages),
-                max_num_batched_tokens=16384, enforce_eager=args.eager)
     budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
     if args.budgets:
         budgets = [FULL if b == "full" else int(b) for b in args.budgets.split(",")]
+    # Page reuse's device buffers are planned from the policy the engine starts with: the
+    # largest budget timed (set_budget changes it between runs).
+    planned = max((b for b in budgets if b != FULL), default=FULL) if args.reuse_pages else FULL
+    base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
+                tokenizer=args.tokenizer or smollm2(), device="cpu" if smoke else "cuda",
+                dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
+                sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
+                                          reuse_pages=args.reuse_pages),
+                max_num_batched_tokens=16384, enforce_eager=args.eager)
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
     if args.cases:

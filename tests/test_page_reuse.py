@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from astream.kvcache.page_reuse import plan_reuse
+from astream.kvcache.page_reuse import plan_reuse, plan_reuse_
+from triton_interpreter import run_interpreted_check
 
 
 def test_plan_keeps_hits_in_place_and_loads_each_miss_into_a_free_slot():
@@ -61,3 +63,65 @@ def test_a_new_owner_starts_with_empty_slots():
     other = plan_reuse(held, torch.tensor([[4]]), want, counts, torch.tensor([9]))
     assert int(same.loads) == 0 and same.load_to.tolist() == [[[-1, -1, -1]]]
     assert int(other.loads) == 3 and sorted(other.load_to[0, 0].tolist()) == [0, 1, 2]
+
+
+def random_plan_steps(seed: int, rows: int, heads: int, width: int, pages: int, steps: int):
+    """(want, counts, owners) of consecutive steps: distinct wanted pages drawn from a small
+    range (so steps overlap), padded by repeating the last; rows change owner now and then."""
+    rng = random.Random(seed)
+    epochs = list(range(rows))
+    for step in range(steps):
+        if step % 5 == 4:
+            epochs[rng.randrange(rows)] += rows
+        counts = torch.tensor([[rng.randint(0, width) for _ in range(heads)] for _ in range(rows)],
+                              dtype=torch.int32)
+        want = torch.zeros(rows, heads, width, dtype=torch.int64)
+        for r in range(rows):
+            for h in range(heads):
+                chosen = sorted(rng.sample(range(pages), int(counts[r, h])))
+                want[r, h, :len(chosen)] = torch.tensor(chosen, dtype=torch.int64)
+                want[r, h, len(chosen):] = chosen[-1] if chosen else 0
+        yield want, counts, torch.tensor(epochs, dtype=torch.int64)
+
+
+def check_triton_plan(device: str) -> int:
+    """The Triton plan against the torch one, step after step from the state each leaves."""
+    from astream.ops.triton_page_reuse import plan_reuse_triton
+    cases = [(3, 2, 6, 12, 30), (2, 4, 40, 120, 12), (1, 8, 272, 2048, 6), (4, 1, 300, 400, 6)]
+    for seed, (rows, heads, width, pages, steps) in enumerate(cases):
+        held = torch.full((rows, heads, width), -1, dtype=torch.int64)
+        owner = torch.full((rows, heads), -1, dtype=torch.int64)
+        held_dev, owner_dev = held.to(device, copy=True), owner.to(device, copy=True)
+        loaded, loaded_dev = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device=device)
+        for want, counts, owners in random_plan_steps(seed, rows, heads, width, pages, steps):
+            page_list, load_to = plan_reuse_(held, owner, want, counts, owners, loaded)
+            got = plan_reuse_triton(held_dev, owner_dev, want.to(device), counts.to(device),
+                                    owners.to(device), loaded_dev)
+            assert torch.equal(got[0].cpu(), page_list) and torch.equal(got[1].cpu(), load_to)
+            assert torch.equal(held_dev.cpu(), held) and torch.equal(owner_dev.cpu(), owner)
+            assert torch.equal(loaded_dev.cpu(), loaded)
+        assert int(loaded) > 0
+    return len(cases)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
+def test_triton_plan_interpreter_matches_reference():
+    assert run_interpreted_check("test_page_reuse", "check_triton_plan") == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_plan_on_gpu_matches_reference():
+    assert check_triton_plan("cuda") == 4
+
+
+def test_plan_in_place_keeps_state_for_the_next_step():
+    held = torch.full((1, 1, 4), -1, dtype=torch.int64)
+    owner = torch.full((1, 1), -1, dtype=torch.int64)
+    loaded = torch.zeros(1, dtype=torch.int64)
+    owners = torch.tensor([7])
+    plan_reuse_(held, owner, torch.tensor([[[3, 5, 5, 5]]]), torch.tensor([[2]]), owners, loaded)
+    page_list, load_to = plan_reuse_(held, owner, torch.tensor([[[1, 5, 9, 9]]]),
+                                     torch.tensor([[3]]), owners, loaded)
+    assert owner.tolist() == [[7]] and int(loaded) == 4      # 3, 5, then 1 and 9
+    assert int(page_list[0, 0, 1]) == 1 and int(load_to[0, 0, 1]) == -1   # 5 stays in slot 1
+    assert held[0, 0].tolist() == [1, 5, 9, -1]     # free slots go in order: 3 made way

@@ -42,7 +42,7 @@ import torch
 
 from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.kv_format import KVFormat, KVScales
-from astream.kvcache.page_reuse import PageReuse, plan_reuse
+from astream.kvcache.page_reuse import PageReuse, plan_reuse_
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
 from astream.ops.kv_write import store_head_major
@@ -253,12 +253,10 @@ class OffloadEngine:
             return None
         k, v, held, owner = found
         self.runtime.wait(self.offloaded[layer])          # no page is read while it is being written
-        plan = plan_reuse(held[:rows], owner[:rows], page_src, counts, owners)
-        held[:rows] = plan.held
-        owner[:rows] = owners.unsqueeze(-1)
-        self.reuse.loaded[layer] += plan.loads
-        gather_pages(host, self.host_v[layer], page_src, k[:rows], v[:rows], counts, plan.load_to)
-        return k[:rows], v[:rows], plan.page_list
+        page_list, load_to = plan_reuse_(held[:rows], owner[:rows], page_src, counts, owners,
+                                         self.reuse.loaded[layer:layer + 1])
+        gather_pages(host, self.host_v[layer], page_src, k[:rows], v[:rows], counts, load_to)
+        return k[:rows], v[:rows], page_list
 
     def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:
         """One step's whole prefixes (host block runs -> packed key rows) for `layers`, in

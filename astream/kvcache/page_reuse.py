@@ -14,6 +14,9 @@ torch program over the rows, with no host sync, so it runs inside the decode gra
 - each missed page takes, in order, a slot holding no wanted page, and is loaded from the
   host pool into it (`OffloadEngine.gather_pages` with destination pages).
 
+`plan_reuse` is the torch reference; `plan_reuse_` carries a plan out in place, on CUDA in
+one Triton kernel a layer (astream.ops.triton_page_reuse).
+
 Rows are decode rows in step order, so a sequence keeps its slots while the batch keeps
 its order; a row whose sequence changed starts empty, which costs loads, never a wrong page.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from astream.ops.quest import select_quest_backend
 
 log = logging.getLogger("astream")
 
@@ -62,6 +67,20 @@ def plan_reuse(held: Tensor, owner: Tensor, want: Tensor, counts: Tensor,
     spill.scatter_(-1, torch.where(miss, slot, slots), want.long())
     return ReusePlan(torch.where(wanted, slot, 0).to(torch.int32), load_to, spill[..., :slots],
                      miss.sum())
+
+
+def plan_reuse_(held: Tensor, owner: Tensor, want: Tensor, counts: Tensor, owners: Tensor,
+                loaded: Tensor) -> tuple[Tensor, Tensor]:
+    """`plan_reuse` carried out: held and owner take the plan's state in place, loaded [1]
+    int64 gains its loads; returns (page_list, load_to). One Triton kernel on CUDA."""
+    if select_quest_backend(want.device) == "triton":
+        from astream.ops.triton_page_reuse import plan_reuse_triton
+        return plan_reuse_triton(held, owner, want, counts, owners, loaded)
+    plan = plan_reuse(held, owner, want, counts, owners)
+    held.copy_(plan.held)
+    owner.copy_(owners.unsqueeze(-1).expand_as(owner))
+    loaded += plan.loads
+    return plan.page_list, plan.load_to
 
 
 @dataclass(slots=True)

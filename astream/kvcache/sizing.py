@@ -154,8 +154,10 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
         raise ValueError("no GPU memory left for the offload ring: one slot needs "
                          f"{layer_block_bytes / _MiB:.1f} MiB per block, and the sparse policy's "
                          f"device data takes {metadata_bytes / _MiB:.0f} MiB (Quest's dense layers "
-                         "stay on the device); lower max_num_batched_tokens, offload_ring_slots, "
-                         "the host pool or the policy's dense layers, or raise gpu_memory_utilization")
+                         f"stay on the device) and its decode buffers {cfg.device_reserve_bytes / _MiB:.0f} "
+                         "MiB (Quest's reuse_pages); lower max_num_batched_tokens, max_num_seqs, "
+                         "offload_ring_slots, the host pool, the policy's dense layers or budget, or "
+                         "raise gpu_memory_utilization")
     return OffloadPlan(slots, int(slot_blocks), staging_blocks)
 
 
