@@ -44,11 +44,11 @@ def cases(args) -> Iterator[tuple[int, int, tuple, int]]:
 
 
 def call(args, budget_pages: int, max_pages: int, warps: int | None,
-         head_limit: int = tqs.MAX_ROW_IN_REGISTERS, radix: bool = True):
+         head_limit: int = tqs.MAX_ROW_IN_REGISTERS):
     return tqs.select_decode_pages_triton(
         *args, max_pages=max_pages, block_size=BLOCK, page_size=PAGE, budget_pages=budget_pages,
         sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=True, physical=True,
-        counters=None, select_warps=warps, max_row_in_registers=head_limit, radix=radix)
+        counters=None, select_warps=warps, max_row_in_registers=head_limit)
 
 
 def time_graph(fn, reps: int) -> float:
@@ -76,12 +76,11 @@ def main() -> None:
         picked = {}
         head = tqs.register_head(max_pages - BLOCK // PAGE)
         row = {"context": context, "batch": batch, "budget_pages": budget, "head": head}
-        variants = {f"warps{w}": (w, head, True) for w in (4, 8, 16)}
-        variants["half_head"] = (None, head // 2, True)
-        variants["bisection"] = (None, head, False)
-        for name, (warps, limit, radix) in variants.items():
-            picked[name] = call(data, budget, max_pages, warps, limit, radix)[0].clone()
-            row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps, limit, radix),
+        variants = {f"warps{w}": (w, head) for w in (4, 8, 16)}
+        variants["half_head"] = (None, head // 2)
+        for name, (warps, limit) in variants.items():
+            picked[name] = call(data, budget, max_pages, warps, limit)[0].clone()
+            row[name + "_us"] = time_graph(lambda: call(data, budget, max_pages, warps, limit),
                                            args.reps)
         first = next(iter(picked.values()))
         row["same_pages"] = all(torch.equal(first, other) for other in picked.values())

@@ -150,54 +150,6 @@ def _bisect_threshold(row, keys, lanes, n_pages, sink, recent, budget,
 
 
 @triton.jit
-def _digit_counts(row_ptr, keys, lanes, n_pages, sink, recent, prefix,
-                  PASS: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """[512] counts of the PASS-th byte (from the top, in unsigned order) of the keys whose
-    higher bytes equal the prefix's; bins 256 and up count the others."""
-    SHIFT: tl.constexpr = 24 - 8 * PASS
-    counts = tl.histogram(_digit(keys, lanes < n_pages, prefix, PASS, SHIFT), 512)
-    for start in range(HEAD, n_pages, TAIL):
-        pos = start + tl.arange(0, TAIL)
-        chunk = _rank_keys(row_ptr, pos, n_pages, sink, recent)
-        counts += tl.histogram(_digit(chunk, pos < n_pages, prefix, PASS, SHIFT), 512)
-    return counts
-
-
-@triton.jit
-def _digit(keys, valid, prefix, PASS: tl.constexpr, SHIFT: tl.constexpr):
-    digit = (keys >> SHIFT) & 0xFF
-    if PASS == 0:
-        digit = digit ^ 0x80                  # the sign bit: negative keys order lowest
-    else:
-        valid = valid & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-    return tl.where(valid, digit, 256)
-
-
-@triton.jit
-def _radix_threshold(row, keys, lanes, n_pages, sink, recent, budget,
-                     HEAD: tl.constexpr, TAIL: tl.constexpr):
-    """`_bisect_threshold`'s (t, count(key >= t), above), t the budget-th largest key found a
-    byte at a time: four histograms of the keys that share the bytes chosen so far."""
-    bins = tl.arange(0, 512)
-    prefix = tl.zeros([], tl.int32)          # the threshold's bytes chosen so far
-    need = budget                            # keys still to take among those sharing them
-    ties = tl.zeros([], tl.int32)
-    for p in tl.static_range(4):
-        counts = tl.where(bins < 256, _digit_counts(row, keys, lanes, n_pages, sink, recent,
-                                                    prefix, p, HEAD, TAIL), 0)
-        at_least = tl.sum(counts, axis=0) - tl.cumsum(counts, axis=0) + counts
-        digit = tl.max(tl.where(at_least >= need, bins, -1), axis=0)
-        need -= tl.sum(tl.where(bins > digit, counts, 0), axis=0)
-        ties = tl.sum(tl.where(bins == digit, counts, 0), axis=0)
-        byte = digit ^ 0x80 if p == 0 else digit
-        prefix = prefix | (byte << (24 - 8 * p))
-    above = budget - need
-    if n_pages <= budget:                    # every page fits: below every key
-        return tl.full([], -2147483648, tl.int32), n_pages, tl.zeros([], tl.int32)
-    return prefix, above + ties, above
-
-
-@triton.jit
 def _emit_picks(chunk, pos, n_pages, threshold, cut_ties, ties_wanted, taken, ties, last,
                 idx_row, phys_row, table_row, PPB: tl.constexpr, WRITE_PHYSICAL: tl.constexpr):
     """Write this piece's picks (key >= threshold; of the keys equal to it, the lowest
@@ -226,7 +178,6 @@ def _select_kernel(
     budget, sink, recent, width,
     PAGE: tl.constexpr, PPB: tl.constexpr, HEAD: tl.constexpr, TAIL: tl.constexpr,
     APPEND_NEWEST: tl.constexpr, WRITE_PHYSICAL: tl.constexpr, COUNT: tl.constexpr,
-    RADIX: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -234,12 +185,8 @@ def _select_kernel(
     row = scores_ptr + b * stride_sb + h * stride_sh
     lanes = tl.arange(0, HEAD)
     keys = _rank_keys(row, lanes, n_pages, sink, recent)   # the row's head, kept in registers
-    if RADIX:
-        threshold, at_threshold, above = _radix_threshold(row, keys, lanes, n_pages, sink, recent,
-                                                          budget, HEAD, TAIL)
-    else:
-        threshold, at_threshold, above = _bisect_threshold(row, keys, lanes, n_pages, sink,
-                                                           recent, budget, HEAD, TAIL)
+    threshold, at_threshold, above = _bisect_threshold(row, keys, lanes, n_pages, sink, recent,
+                                                       budget, HEAD, TAIL)
     cut_ties = at_threshold > budget
     ties_wanted = budget - above
     idx_row = idx_ptr + b * stride_ib + h * stride_ih
@@ -320,7 +267,7 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
                                recent_pages: int, gqa_reduce: str, append_newest: bool,
                                physical: bool, counters: Tensor | None,
                                max_row_in_registers: int = MAX_ROW_IN_REGISTERS,
-                               select_warps: int | None = None, radix: bool = True,
+                               select_warps: int | None = None,
                                ) -> tuple[Tensor, Tensor, Tensor | None]:
     """See astream.ops.quest_select.select_decode_pages_ref (max_row_in_registers: tests)."""
     batch, n_heads, head_dim = q.shape
@@ -354,6 +301,6 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
         indices.stride(1), counts.stride(0), phys_arg.stride(0), phys_arg.stride(1),
         budget_pages, sink_pages, recent_pages, width, PAGE=page_size, PPB=ppb, HEAD=head,
         TAIL=SELECT_TAIL, APPEND_NEWEST=append_newest, WRITE_PHYSICAL=physical,
-        COUNT=counters is not None, RADIX=radix, num_warps=select_warps or select_warps_for(head),
+        COUNT=counters is not None, num_warps=select_warps or select_warps_for(head),
     )
     return indices, counts, phys
