@@ -8,6 +8,7 @@ import pytest
 from astream import Engine, SamplingParams
 from astream.executor.runner import ModelRunner
 from astream.text import IncrementalDetokenizer
+from async_backends import BACKENDS
 
 ENGINE_KW = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=2048)
 PROMPTS = [f"Story {i}: once upon a time" if i % 2 else [{"role": "user", "content": f"Count to {i}."}]
@@ -15,9 +16,6 @@ PROMPTS = [f"Story {i}: once upon a time" if i % 2 else [{"role": "user", "conte
 PARAMS = [SamplingParams(temperature=0, max_tokens=12 + i % 5) if i % 3 == 0 else
           SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=12 + i % 5, ignore_eos=True)
           for i in range(16)]
-BACKENDS = [pytest.param(("asyncio", {}), id="asyncio"),
-            pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-            pytest.param(("trio", {}), id="trio")]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import transformers
 from jinja2 import TemplateError
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
@@ -118,7 +119,23 @@ def pair(request, smollm2_path, smollm2_reference, tmp_path_factory):
         path = write_tiny_bpe(tmp_path_factory.mktemp("bpe") / "tiny.gguf", smollm2_path,
                               request.param, add_bos=request.param == "llama-bpe")
         reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return build_gguf_tokenizer(str(path), read_header(str(path))), reference
+    header = read_header(str(path))
+    misread = misread_specials(reference, header.fields)
+    if misread:
+        pytest.skip(f"transformers {transformers.__version__} reads {misread} against the file's "
+                    "metadata (5.23 reads them right): no reference to compare with")
+    return build_gguf_tokenizer(str(path), header), reference
+
+
+def misread_specials(reference, fields: dict) -> str | None:
+    """What transformers' tokenizer of a byte-level BPE file gets wrong of its special tokens."""
+    eos, bos = fields.get("tokenizer.ggml.eos_token_id"), fields.get("tokenizer.ggml.bos_token_id")
+    if eos is not None and reference.eos_token_id != eos:
+        return "its EOS token"
+    starts_with_bos = bos is not None and reference.encode("a")[:1] == [bos]
+    if starts_with_bos != bool(fields.get("tokenizer.ggml.add_bos_token", False)):
+        return "whether a prompt starts with BOS"
+    return None
 
 
 def test_the_backend_is_transformers_one(pair):
@@ -245,8 +262,9 @@ def test_other_vocabulary_kinds_go_through_transformers_and_are_cached(tmp_path,
     for _ in range(2):                                  # converted, then from the cache
         engine = load_gguf_tokenizer(path)
         for text in ["hi abc", " hi  a\nb", "é x", "<s>hi</s>"]:
-            ids = reference(text)["input_ids"]
-            assert engine(text)["input_ids"] == ids and ids[0] == 1          # BOS added
+            # The file's BOS starts every prompt (transformers 5.18-5.22 leave it out).
+            ids = [1] + reference.encode(text, add_special_tokens=False)
+            assert engine(text)["input_ids"] == ids
             assert engine.decode(ids) == reference.decode(ids)
             assert engine.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
         assert engine.all_special_ids == reference.all_special_ids

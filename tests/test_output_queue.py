@@ -6,10 +6,7 @@ import anyio
 import pytest
 
 from astream.stages.output_queue import OutputQueue
-
-BACKENDS = [pytest.param(("asyncio", {}), id="asyncio"),
-            pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-            pytest.param(("trio", {}), id="trio")]
+from async_backends import BACKENDS
 
 
 @pytest.mark.parametrize("anyio_backend", BACKENDS)

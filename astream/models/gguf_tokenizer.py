@@ -13,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from astream.models.gguf_bpe import build_byte_level_bpe, can_build
+from astream.models.gguf_bpe import bos_eos_processor, build_byte_level_bpe, can_build
 from astream.models.gguf_layout import GGUFHeader, check_gguf_path, read_header
 from astream.models.text_tokenizer import TextTokenizer, TokenizerSpec
 from astream.models.tokenizer_cache import load_cached_tokenizer, store_cached_tokenizer
@@ -47,24 +47,39 @@ def _recipe(header: GGUFHeader) -> str:
     if can_build(header.fields):
         return _BPE_RECIPE
     try:                                     # the version without importing it (about 2 s)
-        return f"transformers {importlib.metadata.version('transformers')}"
+        return f"transformers {importlib.metadata.version('transformers')}, BOS/EOS as the file says"
     except importlib.metadata.PackageNotFoundError:
         return "transformers (not installed)"
 
 
 def _via_transformers(path: Path, header: GGUFHeader) -> TextTokenizer:
-    """transformers' conversion, for the vocabulary kinds `gguf_bpe` does not build."""
-    tok = _convert_tokenizer(path, header.fields.get("tokenizer.ggml.model"))
+    """transformers' conversion, for the vocabulary kinds `gguf_bpe` does not build; BOS and
+    EOS are added as the file says, whatever the transformers version."""
+    kind = header.fields.get("tokenizer.ggml.model")
+    tok = _convert_tokenizer(path, kind)
     template = tok.chat_template if isinstance(tok.chat_template, str) else None
+    add_bos, add_eos = _adds_bos_eos(header.fields, kind)
     spec = TokenizerSpec(
         bos_token=tok.bos_token, eos_token=tok.eos_token, unk_token=tok.unk_token,
         pad_token=tok.pad_token,
         chat_template=template or header.fields.get("tokenizer.chat_template") or None,
-        add_bos_token=bool(getattr(tok, "add_bos_token", False)),
-        add_eos_token=bool(getattr(tok, "add_eos_token", False)),
+        add_bos_token=add_bos and tok.bos_token is not None,
+        add_eos_token=add_eos and tok.eos_token is not None,
         clean_up_tokenization_spaces=bool(tok.clean_up_tokenization_spaces),
     )
-    return TextTokenizer(tok.backend_tokenizer, spec)
+    backend = tok.backend_tokenizer
+    # transformers 5.18-5.22 drop the file's BOS from SentencePiece vocabularies (5.23 keeps it).
+    if (spec.add_bos_token, spec.add_eos_token) != (bool(getattr(tok, "add_bos_token", False)),
+                                                    bool(getattr(tok, "add_eos_token", False))):
+        backend.post_processor = bos_eos_processor(spec, backend)
+    return TextTokenizer(backend, spec)
+
+
+def _adds_bos_eos(fields: dict, kind: str | None) -> tuple[bool, bool]:
+    """Whether a prompt starts with BOS and ends with EOS: the file's flags, else llama.cpp's
+    defaults (a SentencePiece "llama" vocabulary starts with BOS, others add neither)."""
+    return (bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            bool(fields.get("tokenizer.ggml.add_eos_token", False)))
 
 
 def _convert_tokenizer(path: Path, tokenizer_model: str | None):
