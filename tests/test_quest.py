@@ -137,9 +137,11 @@ def test_reused_page_buffers_are_counted_in_the_device_plan():
     assert _decode_buffer_bytes(QuestPolicy(budget_tokens=512), model, config, 2) == 0
     assert _decode_buffer_bytes(reuse, model, EngineConfig(max_num_seqs=3), 2) == 0
     # A budget that every context fits never selects: nothing to keep.
-    wide = QuestPolicy(budget_tokens=1 << 40, reuse_pages=True)
-    assert _decode_buffer_bytes(wide, model, config, 2) == 0
-    assert _decode_buffer_bytes(wide, model, EngineConfig(offload=True, max_model_len=2048), 2) == 0
+    wide = QuestPolicy(budget_tokens=3072, reuse_pages=True)
+    assert _decode_buffer_bytes(wide, model, config, 2) > 0          # the model's 4,096 positions
+    short = EngineConfig(offload=True, max_num_seqs=3, max_model_len=2048)
+    assert _decode_buffer_bytes(wide, model, short, 2) == 0
+    assert _decode_buffer_bytes(QuestPolicy(budget_tokens=1 << 40, reuse_pages=True), model, config, 2) == 0
 
 
 def test_blocks_come_back_after_preemption_prefix_hits_and_cancels_with_quest():

@@ -4,8 +4,8 @@ offloaded step loads over PCIe only the pages its rows did not select the step b
 A real model's choice moves slowly: on Qwen2.5-Coder-0.5B with natural text, 61-75% of a
 step's pages had been chosen by the step before too (benchmarks/quest_locality.py). Per
 offloaded sparse layer, each decode row keeps one buffer of C pages per KV head (C = the
-selection's width) and the physical page id each slot holds. A step's plan is one batched
-torch program over the rows, with no host sync, so it runs inside the decode graph:
+selection's width) and the physical page id each slot holds. A step's plan reads nothing
+on the host, so it runs inside the decode graph:
 
 - a row's slots count only while it holds the same life of the same sequence's block
   table (`owners`, the sequences' `kv_epoch`): full blocks are never rewritten within one
