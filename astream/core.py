@@ -22,7 +22,7 @@ from astream.models.loader import LoadedModel, ProgressFn, load_model, open_chec
 from astream.ops.attention import select_backend
 from astream.ops.backends import CUDNN_SHAPE_STEP
 from astream.ops.triton_warmup import start_cache_key_warmup
-from astream.policies import SparsePolicy, make_policy
+from astream.policies import SparsePolicy, check_policy_mode, make_policy
 from astream.request import ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
 from astream.sampling import SamplingParams
@@ -62,6 +62,7 @@ class EngineCore:
         check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
         model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
         policy = make_policy(config.sparse_policy, config.sparse_budget)
+        check_policy_mode(policy, config.offload)
         fmt = kv_format(config, model.decoder, model.tokenizer)
         overhead = _device_kv_overhead(policy, model.decoder.config.num_layers, config.offload,
                                        dtype.itemsize / fmt.element_size)

@@ -21,7 +21,7 @@ from astream.core import EngineCore
 from astream.errors import EngineClosedError
 from astream.metrics import EngineMetrics
 from astream.outputs import Completion, Progress, StreamToken
-from astream.policies import make_policy
+from astream.policies import check_policy_mode, make_policy
 from astream.request import Request
 from astream.request_stream import RequestStream
 from astream.runtime.events import Notifier, run_off_loop
@@ -52,7 +52,8 @@ class Engine:
         """Validate engine options without loading anything: the EngineConfig they make, or a
         TypeError / ValueError naming the bad option."""
         engine_config = EngineConfig.from_kwargs(model, **config)
-        make_policy(engine_config.sparse_policy, engine_config.sparse_budget)
+        check_policy_mode(make_policy(engine_config.sparse_policy, engine_config.sparse_budget),
+                          engine_config.offload)
         return engine_config
 
     # ---- lifecycle ------------------------------------------------------------------

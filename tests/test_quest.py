@@ -211,3 +211,12 @@ def test_the_cli_takes_a_policy_and_a_budget():
     assert (engine_kw["sparse_policy"], engine_kw["sparse_budget"]) == ("quest", 2048)
     with pytest.raises(ValueError, match="unknown sparse_policy"):
         _configs(build_parser().parse_args(["serve", "--sparse-policy", "quets"]))
+
+
+def test_reuse_pages_without_offload_is_an_error_not_a_no_op():
+    from astream import Engine
+    with pytest.raises(ValueError, match="reuse_pages .* needs offload=True"):
+        Engine.check_options(sparse_policy=QuestPolicy(reuse_pages=True))
+    with pytest.raises(ValueError, match="reuse_pages"):
+        Engine.check_options(sparse_policy="xattention+quest(reuse_pages=True)")
+    assert Engine.check_options(sparse_policy=QuestPolicy(reuse_pages=True), offload=True).offload

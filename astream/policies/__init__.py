@@ -35,6 +35,13 @@ def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> S
     return _combined_policy(spec, parts, budget_tokens)
 
 
+def check_policy_mode(policy: SparsePolicy, offload: bool) -> None:
+    """Options that only mean something with offload raise without it, rather than do nothing."""
+    if not offload and policy.decode_buffer_tokens():
+        raise ValueError(f"sparse policy {policy.name}: reuse_pages keeps the pages of an "
+                         "offloaded cache on the device between steps; it needs offload=True")
+
+
 def _combined_policy(spec: str, parts: list[tuple[str, dict]], budget_tokens: int | None) -> CombinedPolicy:
     if len(parts) != 2:
         raise ValueError(f"sparse_policy {spec!r}: combine exactly two policies, a prefill and "
@@ -91,6 +98,6 @@ def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None)
         raise ValueError(f"sparse_policy {spec!r}: {exc}") from None
 
 
-__all__ = ["CombinedPolicy", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
+__all__ = ["CombinedPolicy", "check_policy_mode", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
            "PageSelection", "PolicyRuntime", "QuestPolicy", "QuestRuntime", "SparsePolicy",
            "XAttentionPolicy", "make_policy"]
