@@ -1,9 +1,8 @@
-"""CPU tests for the Quest ops (astream.ops.quest) against brute force, and their Triton
-kernels against the torch references in interpreter mode (in a subprocess)."""
+"""CPU tests for the Quest ops (astream.ops.quest: page bounds, attention over selected
+pages) against brute force, and their Triton kernels against the torch references in
+interpreter mode (in a subprocess). The page gather: test_quest_gather."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from triton_interpreter import run_interpreted_check
 
 from astream.ops import quest
 from astream.ops.attention_ref import paged_decode_attention_ref
-from astream.ops.quest_select import physical_page_ids, select_pages
+from astream.ops.quest_select import select_pages
 
 INF = float("inf")
 
@@ -183,87 +182,6 @@ def test_selected_reference_all_pages_is_full_attention():
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
-# ---- page gather ---------------------------------------------------------------------
-
-def gather_case(seed, batch=2, kvh=2, n_sel=5, block=32, page=16, dim=64):
-    """A head-major pool (a strided view of a bigger one), picks, counts and filled dsts."""
-    gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(3, 2, 9, kvh, block, dim, generator=gen)[1]
-    page_src = torch.randint(0, 9 * block // page, (batch, kvh, n_sel), generator=gen)
-    counts = torch.randint(0, n_sel + 1, (batch, kvh), generator=gen).int()
-    counts[0, 0] = n_sel
-    page_src[1, 1, -1] = -1  # garbage past counts is never read
-    counts[1, 1] = n_sel - 1
-    dst = torch.full((2, batch, kvh, n_sel * page, dim), 7.0)
-    return pool[0], pool[1], page_src, dst[0], dst[1], counts
-
-
-def test_gather_reference_copies_selected_pages():
-    src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(0)
-    quest.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts)
-    for b, h, j in itertools.product(*map(range, page_src.shape)):
-        got = dst_k[b, h, j * 16:(j + 1) * 16], dst_v[b, h, j * 16:(j + 1) * 16]
-        if j >= counts[b, h]:
-            assert torch.all(got[0] == 7) and torch.all(got[1] == 7)
-            continue
-        blk, sub = divmod(int(page_src[b, h, j]), 2)
-        assert torch.equal(got[0], src_k[blk, h, sub * 16:(sub + 1) * 16])
-        assert torch.equal(got[1], src_v[blk, h, sub * 16:(sub + 1) * 16])
-
-
-
-def destination_pages(seed: int, page_src: torch.Tensor) -> torch.Tensor:
-    """Per (row, head) a permutation of the destination pages, about a third of them -1."""
-    gen = torch.Generator().manual_seed(seed)
-    batch, kvh, n_sel = page_src.shape
-    perm = torch.argsort(torch.rand(batch, kvh, n_sel, generator=gen), dim=-1)
-    return torch.where(torch.rand(batch, kvh, n_sel, generator=gen) < 0.35, -1, perm)
-
-
-def test_gather_to_destination_pages_copies_only_those_with_one():
-    src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(5)
-    dst_pages = destination_pages(5, page_src)
-    quest.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages=dst_pages)
-    for b, h in itertools.product(*map(range, page_src.shape[:2])):
-        written = {}
-        for j in range(int(counts[b, h])):
-            if dst_pages[b, h, j] >= 0:
-                written[int(dst_pages[b, h, j])] = divmod(int(page_src[b, h, j]), 2)
-        for slot in range(page_src.shape[2]):
-            got = dst_k[b, h, slot * 16:(slot + 1) * 16], dst_v[b, h, slot * 16:(slot + 1) * 16]
-            if slot not in written:
-                assert torch.all(got[0] == 7) and torch.all(got[1] == 7)
-                continue
-            blk, sub = written[slot]
-            assert torch.equal(got[0], src_k[blk, h, sub * 16:(sub + 1) * 16])
-            assert torch.equal(got[1], src_v[blk, h, sub * 16:(sub + 1) * 16])
-
-
-def test_gathered_pages_attend_like_the_paged_cache():
-    """Offload flow: gather host pages into a dense buffer, attend it as a one-block-per-
-    sequence cache (arbitrary strides), and get the selected-pages result of the pool."""
-    gen = torch.Generator().manual_seed(3)
-    kvh, block, page, dim, n_sel = 2, 32, 16, 16, 3
-    pool = torch.randn(2, 12, kvh, block, dim, generator=gen)  # head-major, like the host pool
-    tables = torch.randperm(12, generator=gen)[:8].view(2, 4).int()
-    lens = torch.tensor([128, 96], dtype=torch.int32)  # host pages are full pages
-    q = torch.randn(2, kvh * 2, dim, generator=gen)
-    ids, num = physical_page_ids(tables, lens, max_pages=8, block_size=block)
-    pages, counts = select_pages(torch.randn(2, kvh, 8, generator=gen), num, n_sel)
-    counts[1, 1] = 2
-    dst = torch.zeros(2, 2, kvh, n_sel * page, dim)
-    quest.gather_pages(pool[0], pool[1], ids.gather(1, pages.long().flatten(1)).view(pages.shape),
-                       dst[0], dst[1], counts)
-    dense = dst.transpose(2, 3)  # [B, n_sel * page, KVH, D]: "block" b is sequence b's buffer
-    out, lse = quest.paged_decode_selected(
-        q, dense[0], dense[1], torch.arange(2, dtype=torch.int32).view(2, 1),
-        torch.arange(n_sel, dtype=torch.int32).expand(2, kvh, n_sel), counts,
-        torch.full((2,), n_sel * page, dtype=torch.int32), page_size=page, scale=0.25)
-    want = quest.paged_decode_selected(q, pool[0].transpose(1, 2), pool[1].transpose(1, 2),
-                                       tables, pages, counts, lens, page_size=page, scale=0.25)
-    torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-5)
-
 # ---- Triton kernels vs references (interpreter on CPU) ------------------------------
 
 f32, f16 = torch.float32, torch.float16
@@ -279,7 +197,8 @@ SELECTED_CASES = [
 
 
 def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
-    """Every Triton Quest kernel vs its reference; returns the number of cases checked."""
+    """The selected-pages decode kernel vs its reference (the gather: test_quest_gather);
+    returns the number of cases checked."""
     from astream.ops import triton_quest
     n = 0
     for i, (ctx, group, dim, block, page, budget, splits, dot, dtype, hm) in \
@@ -296,27 +215,6 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
         torch.testing.assert_close(lse, ref_lse, atol=tol32, rtol=tol32)
         n += 1
     n += check_triton_quest_fp8(device, tol16)
-    for seed, with_counts, fp8, to_pages in ((0, True, False, False), (1, False, False, False),
-                                             (2, True, True, False), (3, True, False, True),
-                                             (4, False, True, True)):
-        src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
-        dst_pages = destination_pages(seed, page_src) if to_pages else None
-        if fp8:     # the host pool of an fp8 cache: bytes move as they are
-            src_k, src_v, dst_k, dst_v = (t.to(torch.float8_e4m3fn) for t in (src_k, src_v, dst_k, dst_v))
-        counts = counts if with_counts else None
-        page_src = page_src.clamp(min=0)
-        want_k, want_v = dst_k.clone(), dst_v.clone()
-        quest.gather_pages_ref(src_k, src_v, page_src, want_k, want_v, counts, dst_pages)
-        dst_k, dst_v = dst_k.to(device), dst_v.to(device)
-        counts = counts.to(device) if with_counts else None
-        dst_pages = dst_pages.to(device) if to_pages else None
-        if device == "cuda":        # the engine's host pool is pinned: read in place, zero-copy
-            src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
-        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts,
-                                         dst_pages)
-        assert torch.equal(dst_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
-        assert torch.equal(dst_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
-        n += 1
     return n
 
 
@@ -340,7 +238,7 @@ def check_triton_quest_fp8(device: str, tol: float) -> int:
     return len(cases)
 
 
-N_TRITON_CASES = len(SELECTED_CASES) + 2 + 5
+N_TRITON_CASES = len(SELECTED_CASES) + 2
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernels are tested")
