@@ -18,6 +18,7 @@ results. With offload, bytes moved per step: ring loads (Full) or gathered pages
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
@@ -192,7 +193,10 @@ def main() -> None:
     for kv in args.kv_dtypes.split(","):
         kv_base = {**base, "kv_cache_dtype": kv}
         if "resident" not in args.skip:
-            results["resident"] += run_mode(EngineConfig(**kv_base), resident_cases, budgets, steps,
+            # Page reuse is for offload (it raises without it): resident runs leave it off.
+            resident = {**kv_base, "sparse_policy": dataclasses.replace(base["sparse_policy"],
+                                                                        reuse_pages=False)}
+            results["resident"] += run_mode(EngineConfig(**resident), resident_cases, budgets, steps,
                                            kernel_sets)
             save(name, results, smoke=smoke)
         if "offload" not in args.skip:
