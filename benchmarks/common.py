@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -118,3 +121,20 @@ def save(name: str, result: dict, smoke: bool = False) -> None:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{name}.json").write_text(text)
     print(f"wrote {name}.json")
+
+
+@contextmanager
+def engine_core(config) -> Iterator:
+    """An EngineCore for `config`, closed on the way out with its graphs and device memory
+    handed back, so the next engine of the run sizes its cache from a clean device."""
+    from astream.core import EngineCore
+    core = EngineCore.create(config)
+    try:
+        yield core
+    finally:
+        core.runner.graphs = None
+        core.close()
+        del core
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from common import percentile, save, shaped_model, smollm2  # noqa: I001
+from common import engine_core, percentile, save, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.executor.build import build_graphs
@@ -132,19 +132,12 @@ def spread(key: str, times: list[float]) -> dict:
 
 def run_mode(config: EngineConfig, cases, budgets, steps, kernel_sets,
              dense_graphs: str = "auto") -> list:
-    core = EngineCore.create(config)
-    try:
+    with engine_core(config) as core:
         rows = []
         for i, (ctx, batch) in enumerate(cases):
             rows += one_case(core, ctx, batch, budgets, steps, i, kernel_sets or
                              [core.runner.decoder.kernels.name], dense_graphs)
         return rows
-    finally:
-        core.runner.graphs = None
-        core.close()
-        del core
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def main() -> None:

@@ -18,13 +18,12 @@ a random-weight shape reads random tokens.
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 
 import torch
 
-from common import save, shaped_model, smollm2  # noqa: I001
+from common import engine_core, save, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.eval.filler import filler_sentences
@@ -123,16 +122,10 @@ def main() -> None:
                               max_num_seqs=4, max_num_batched_tokens=8192,
                               sparse_policy=QuestPolicy(budget_tokens=budget,
                                                         dense_layers=0 if args.smoke else 2))
-        core = EngineCore.create(config)
-        try:
+        with engine_core(config) as core:
             for ctx in contexts:
                 rows.append({"budget": budget, **one_context(core, log, ctx, 6 if args.smoke else args.steps,
                                                              natural, seed=ctx)})
-        finally:
-            core.close()
-            del core
-            gc.collect()
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
     save(args.name, {"model": args.model or "smollm2", "rows": rows}, smoke=args.smoke)
 
 

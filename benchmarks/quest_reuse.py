@@ -14,22 +14,17 @@ Variants alternate, so each repeat measures both on the same machine state.
 from __future__ import annotations
 
 import argparse
-import gc
 
-import torch
-
-from common import save, smollm2  # noqa: I001
+from common import engine_core, save, smollm2  # noqa: I001
 from quest import decode_steps, pipelined_steps, spread
 from quest_locality import natural_prompt
 from astream.config import EngineConfig
-from astream.core import EngineCore
 from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
 
 def one_run(config: EngineConfig, ctx: int, steps: int) -> dict:
-    core = EngineCore.create(config)
-    try:
+    with engine_core(config) as core:
         prompt = natural_prompt(core, ctx, seed=ctx)
         params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 8, ignore_eos=True)
         sink = core.add_request("r", prompt, params)
@@ -47,12 +42,6 @@ def one_run(config: EngineConfig, ctx: int, steps: int) -> dict:
                 "pages_read_per_step": round(per_step["quest_pages_read"], 1),
                 "pages_loaded_per_step": round(per_step["quest_pages_loaded"], 1),
                 "text": "".join(tok.text for tok in sink.tokens)[:120]}
-    finally:
-        core.runner.graphs = None
-        core.close()
-        del core
-        gc.collect()
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
 def main() -> None:
