@@ -11,6 +11,7 @@ divergence is shown with the GPU model's logit margin at that step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -38,7 +39,7 @@ QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
                   "offload_quest_eager": {"offload": True, "enforce_eager": True},
                   "offload_quest_reuse_graphs": {
                       "offload": True,
-                      "sparse_policy": QuestPolicy(budget_tokens=24, page_size=8, reuse_pages=True)}}
+                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], reuse_pages=True)}}
 DENSE_VARIANTS = {"offload16_graphs": {"offload": True, "kv_block_size": 16},
                   "offload16_eager": {"offload": True, "kv_block_size": 16, "enforce_eager": True}}
 

@@ -98,6 +98,6 @@ def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None)
         raise ValueError(f"sparse_policy {spec!r}: {exc}") from None
 
 
-__all__ = ["CombinedPolicy", "check_policy_mode", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
+__all__ = ["CombinedPolicy", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
            "PageSelection", "PolicyRuntime", "QuestPolicy", "QuestRuntime", "SparsePolicy",
-           "XAttentionPolicy", "make_policy"]
+           "XAttentionPolicy", "check_policy_mode", "make_policy"]
