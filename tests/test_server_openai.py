@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 
 import anyio
-import openai
 import pytest
 
 from astream import LLM, SamplingParams
 from server_helpers import ENGINE_KW, http_exchange, serving, wait_idle
+
+openai = pytest.importorskip("openai", reason="the test extra installs the openai client")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.parametrize("anyio_backend", [("asyncio", {})])]
 
