@@ -64,8 +64,7 @@ class EngineCore:
         policy = make_policy(config.sparse_policy, config.sparse_budget)
         check_policy_mode(policy, config.offload)
         fmt = kv_format(config, model.decoder, model.tokenizer)
-        overhead = _device_kv_overhead(policy, model.decoder.config.num_layers, config.offload,
-                                       dtype.itemsize / fmt.element_size)
+        overhead = _device_kv_overhead(policy, model.decoder.config.num_layers, config.offload)
         spec = _cache_spec(config, overhead, policy.sparse_prefill,
                            _decode_buffer_bytes(policy, model.decoder.config, config, fmt.element_size))
         plan = plan_cache(spec, model.decoder.config, dtype, device, fmt.dtype)   # after the weights
@@ -309,13 +308,12 @@ def _chunk_step(runner: ModelRunner, align: int) -> int:
     return math.lcm(align, CUDNN_SHAPE_STEP)
 
 
-def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool,
-                        metadata_per_kv_byte: float = 1.0) -> float:
+def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool) -> float:
     """Device bytes per byte of KV in the cache beyond the cache itself: the policy's
-    metadata (kept in the model's dtype: `metadata_per_kv_byte` is its element size over
-    the cache's) and, with offload, the layers whose KV it keeps on the device as well."""
+    metadata (kept in the cache's element type) and, with offload, the layers whose KV it
+    keeps on the device as well."""
     mirrored = len(policy.offload_device_layers(num_layers)) / num_layers if offload else 0.0
-    return policy.kv_overhead(num_layers) * metadata_per_kv_byte + mirrored
+    return policy.kv_overhead(num_layers) + mirrored
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,

@@ -176,7 +176,7 @@ def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
 
 def _layout(device, dtype):
     from astream.policies import KVLayout
-    return KVLayout(1, HEADS, KV_HEADS, DIM, 1, 16, dtype, device, offload=False)
+    return KVLayout(1, HEADS, KV_HEADS, DIM, 1, 16, dtype, device, offload=False, key_dtype=dtype)
 
 
 def _spread(seconds: list[float]) -> list[float]:

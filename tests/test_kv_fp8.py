@@ -126,13 +126,18 @@ def test_fp8_offload_gives_the_resident_tokens(policy):
             assert stats["kv_blocks_free"] == 256
             if policy == "quest":
                 assert sum(stats["quest_selections"]) > 0
+                bounds = llm.core.runner.policy.bounds       # of the stored keys, in fp8
+                assert bounds[1] is None and bounds[2][0].dtype == bounds[2][1].dtype == E4M3
     assert results[False] == results[True]
 
 
-def test_fp8_stores_twice_the_blocks_of_bf16_in_the_same_memory():
+@pytest.mark.parametrize("policy", ["full", "quest"])
+def test_fp8_stores_twice_the_blocks_of_bf16_in_the_same_memory(policy):
+    """Quest's page bounds are in the cache's element type too, so they shrink with it."""
     blocks = {}
     for kv in ("bfloat16", "fp8_e5m2"):
-        with LLM(kv_cache_dtype=kv, cpu_kv_cache_gib=0.25, device="cpu") as llm:
+        with LLM(kv_cache_dtype=kv, cpu_kv_cache_gib=0.25, device="cpu", sparse_policy=policy,
+                 dtype="bfloat16") as llm:
             blocks[kv] = llm.stats()["kv_blocks_total"]
             assert llm.core.runner.cache.k[0].dtype == llm.core.config.kv_storage_dtype()
     assert blocks["fp8_e5m2"] == 2 * blocks["bfloat16"]

@@ -46,11 +46,11 @@ def shuffled_tables(n_blocks: list[int], num_blocks: int, gen: torch.Generator) 
 class BoundsWorld:
     """A cache of keys plus Quest bounds, with each page's current owner's tokens tracked."""
 
-    def __init__(self, num_blocks=8, block_size=32, page=16, kvh=2, dim=8):
-        self.bs, self.page, self.kvh, self.dim = block_size, page, kvh, dim
-        self.store = torch.zeros(num_blocks * block_size, kvh, dim, dtype=torch.bfloat16)
+    def __init__(self, num_blocks=8, block_size=32, page=16, kvh=2, dim=8, dtype=torch.bfloat16):
+        self.bs, self.page, self.kvh, self.dim, self.dtype = block_size, page, kvh, dim, dtype
+        self.store = torch.zeros(num_blocks * block_size, kvh, dim)      # the stored values
         self.kmin, self.kmax = quest.allocate_page_bounds(num_blocks, block_size, kvh, dim,
-                                                          dtype=torch.bfloat16, device="cpu",
+                                                          dtype=dtype, device="cpu",
                                                           page_size=page)
         self.filled: dict[int, int] = {}  # page -> tokens its owner has written
         self.gen = torch.Generator().manual_seed(0)
@@ -66,20 +66,23 @@ class BoundsWorld:
         live = len(slots)
         if pad_slot is not None:  # CUDA-graph padding rows all land on one scratch slot
             slots += [pad_slot] * 3
-        keys = torch.randn(len(slots), self.kvh, self.dim, generator=self.gen).bfloat16()
+        keys = (torch.randn(len(slots), self.kvh, self.dim, generator=self.gen) * 50).to(self.dtype)
         slots = torch.tensor(slots)
-        self.store[slots[:live]] = keys[:live]
+        self.store[slots[:live]] = keys[:live].float()
         quest.update_page_bounds(self.kmin, self.kmax, keys, slots, self.page)
 
     def check(self):
         for page, n in self.filled.items():
             keys = self.store[page * self.page: page * self.page + n]
-            assert torch.equal(self.kmin[page], keys.amin(0)), page
-            assert torch.equal(self.kmax[page], keys.amax(0)), page
+            assert self.kmin.dtype == self.kmax.dtype == self.dtype
+            assert torch.equal(self.kmin[page].float(), keys.amin(0)), page
+            assert torch.equal(self.kmax[page].float(), keys.amax(0)), page
 
 
-def test_update_page_bounds_prefill_decode_reuse():
-    world = BoundsWorld()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_update_page_bounds_prefill_decode_reuse(dtype):
+    """Bounds in the cache's element type (fp8 ones hold stored fp8 keys) are exact."""
+    world = BoundsWorld(dtype=dtype)
     a, b = [3, 1, 6], [0, 2]
     world.write([(a, 0, 20), (b, 0, 40)])       # prefill: several tokens per page
     world.write([(a, 20, 25)])                  # a chunk that starts mid-page

@@ -11,6 +11,7 @@ from test_quest_ops import shuffled_tables
 from triton_interpreter import run_interpreted_check
 
 from astream.ops import quest
+from astream.ops.kv_write import dequantize_ref, quantize_ref
 from astream.ops.quest_select import (
     Selection, page_scores_ref, physical_page_ids, select_decode_pages, select_decode_pages_ref,
     select_pages, with_newest_block,
@@ -127,6 +128,30 @@ def test_planted_needle_is_selected():
         assert needle_page in idx[0, head // 4, :int(counts[0, head // 4])].tolist()
 
 
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_stored_bounds_pick_what_dequantized_bounds_pick(fp8):
+    """An fp8 cache keeps the bounds of its stored keys (value / scale of their KV head):
+    each head's scale multiplies all its pages' scores alike, so the picks are those of the
+    bounds of the dequantized keys."""
+    block, page, kvh, dim, n_pages, budget = 32, 16, 4, 64, 96, 12
+    gen = torch.Generator().manual_seed(5)
+    scales = torch.tensor([0.02, 0.37, 1.0, 6.5])                 # per KV head, as calibrated
+    stored = quantize_ref(torch.randn(n_pages * page, kvh, dim, generator=gen) * 3, scales, fp8)
+    q = torch.randn(2, kvh * 2, dim, generator=gen)
+    tables = torch.randperm(n_pages // 2, generator=gen).view(1, -1).int().expand(2, -1)
+    tok = torch.arange(n_pages * page)
+    slots = tables[0, tok // block].long() * block + tok % block
+    picks = []
+    dequantized = dequantize_ref(stored, scales, torch.float32)
+    for keys, dtype in ((stored, fp8), (dequantized, torch.float32)):
+        bounds = quest.allocate_page_bounds(n_pages // 2, block, kvh, dim, dtype=dtype, device="cpu")
+        quest.update_page_bounds(*bounds, keys, slots)
+        picks.append(select_decode_pages_ref(
+            q, *bounds, tables, torch.tensor([n_pages * page, 40 * page], dtype=torch.int32),
+            max_pages=n_pages, block_size=block, page_size=page, budget_pages=budget).indices)
+    assert picks[0].dtype == torch.int32 and torch.equal(picks[0], picks[1])
 
 
 def test_newest_block_pages_follow_the_selected_ones():
@@ -248,7 +273,8 @@ def check_triton_selection(device: str) -> int:
         sink_pages=1, recent_pages=1, gqa_reduce="max", append_newest=False, physical=False,
         counters=None)
     assert got[0].cpu().tolist() == [[[0, 1, 2, 3, 39]] * 2]
-    return n + 1 + check_triton_ties_and_near_ties(device) + check_triton_bounds(device)
+    return (n + 1 + check_triton_ties_and_near_ties(device) + check_triton_bounds(device)
+            + check_triton_fp8_bounds_scores(device))
 
 
 def check_triton_ties_and_near_ties(device: str) -> int:
@@ -284,29 +310,53 @@ def check_triton_ties_and_near_ties(device: str) -> int:
 
 
 def check_triton_bounds(device: str) -> int:
-    """The bounds kernel against the reference: prefill runs, decode rows, padding, reuse."""
+    """The bounds kernel against the reference: prefill runs, decode rows, padding, reuse;
+    bounds in the model's dtype, and of fp8 caches' stored keys."""
     from astream.ops import triton_quest_select as tqs
     gen = torch.Generator().manual_seed(4)
     shape = dict(num_blocks=8, block_size=32, kv_heads=2, head_dim=24, page_size=16)
-    dtype = bf16 if device == "cuda" else f16       # the interpreter truncates to bfloat16
-    ref = quest.allocate_page_bounds(**shape, dtype=dtype, device="cpu")
-    mine = tuple(t.to(device) for t in quest.allocate_page_bounds(**shape, dtype=dtype, device="cpu"))
+    model_dtype = bf16 if device == "cuda" else f16       # the interpreter truncates to bfloat16
     steps = [list(range(64, 100)) + list(range(160, 165)),       # two prefill runs
              list(range(100, 120)),                               # a chunk from mid-page
              [120, 165, 7 * 32, 7 * 32, 7 * 32],                  # decode rows + padding
              list(range(64, 70))]                                 # a freed block reused
-    for slots in steps:
-        keys = torch.randn(len(slots), 2, 24, generator=gen)
-        slots = torch.tensor(slots)
-        quest.update_page_bounds(*ref, keys.to(dtype), slots, 16)
-        tqs.update_page_bounds_triton(*mine, keys.to(device), slots.to(device), 16)
-        live = slice(0, 7 * 2 * 2)                                # the scratch block's pages differ
-        assert torch.equal(mine[0].cpu()[live], ref[0][live])
-        assert torch.equal(mine[1].cpu()[live], ref[1][live])
-    return 1
+    for dtype in (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2):
+        ref = quest.allocate_page_bounds(**shape, dtype=dtype, device="cpu")
+        mine = tuple(t.to(device) for t in quest.allocate_page_bounds(**shape, dtype=dtype,
+                                                                      device="cpu"))
+        for slots in steps:
+            keys = (torch.randn(len(slots), 2, 24, generator=gen) * 20).to(dtype)
+            slots = torch.tensor(slots)
+            quest.update_page_bounds(*ref, keys, slots, 16)
+            tqs.update_page_bounds_triton(*mine, keys.to(device), slots.to(device), 16)
+            live = slice(0, 7 * 2 * 2)                            # the scratch block's pages differ
+            for got, want in zip(mine, ref):
+                assert torch.equal(got.cpu()[live].float(), want[live].float()), dtype
+    return 3
 
 
-N_TRITON_CASES = 4 * len(FUSED_CASES) + 2 + 16
+def check_triton_fp8_bounds_scores(device: str) -> int:
+    """Page scores from fp8 bounds (widened to the query's dtype) and the picks they make."""
+    from astream.ops import triton_quest_select as tqs
+    q_dtype = bf16 if device == "cuda" else f32
+    n = 0
+    for i, fp8 in enumerate((torch.float8_e4m3fn, torch.float8_e5m2)):
+        q, kmin, kmax, tables, lens = fused_case([1536, 512], group=4, kvh=2, dim=64, seed=60 + i)
+        args = [q.to(q_dtype), (kmin * 8).to(fp8), (kmax * 8).to(fp8), tables, lens]
+        args = [t.to(device) for t in args]
+        kw = dict(max_pages=1536 // 16 + 4, block_size=32, page_size=16, budget_pages=12,
+                  sink_pages=1, recent_pages=2, gqa_reduce="max", append_newest=True,
+                  physical=True)
+        got = on_cpu(tqs.select_decode_pages_triton(*args, **kw, counters=None))
+        want = on_cpu(select_decode_pages_ref(*args, **kw))
+        ids, num = physical_page_ids(args[3], args[4], max_pages=kw["max_pages"], block_size=32)
+        scores = page_scores_ref(*args[:3], ids, num).cpu()
+        check_selection(got, want, scores, ties_ok=q_dtype != f32)
+        n += 1
+    return n
+
+
+N_TRITON_CASES = 4 * len(FUSED_CASES) + 4 + 16 + 2
 
 
 def test_register_head_pads_little_and_rereads_little():

@@ -43,7 +43,8 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
     backends = AttentionBackends.select(device, dtype, model.head_dim)
     # One scratch block past the last: padded rows of a CUDA-graph batch write there.
     layout = KVLayout(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
-                      plan.num_blocks + 1, plan.block_size, dtype, device, config.offload)
+                      plan.num_blocks + 1, plan.block_size, dtype, device, config.offload,
+                      key_dtype=fmt.dtype)
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
     parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=policy.bind(layout),

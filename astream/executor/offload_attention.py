@@ -57,7 +57,7 @@ class OffloadAttention:
             return self.on_device(layer, q, k, v)
         stored = self.engine.write_layer(layer, k, v, self.plan.new_kv)
         if self.policy.watches_keys():
-            self.policy.on_kv_written(layer, self.engine.format.read_keys(layer, stored), self.slots)
+            self.policy.on_kv_written(layer, stored, self.slots)
         out, lse = self._on_device(layer, q, k, v)
         if self.sparse[layer]:
             out, lse = self._selected_pages(layer, q, out, lse)

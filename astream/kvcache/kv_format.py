@@ -63,9 +63,3 @@ class KVFormat:
         scales = self.scales(layer)
         return (dequantize_ref(k, scales and scales.k, self.compute_dtype),
                 dequantize_ref(v, scales and scales.v, self.compute_dtype))
-
-    def read_keys(self, layer: int, stored: Tensor) -> Tensor:
-        """Stored keys [..., kv_heads, head_dim] as a read returns them, in the compute dtype
-        (what a policy's key statistics must describe)."""
-        return dequantize_ref(stored, self.k_scale[layer] if self.scaled else None,
-                              self.compute_dtype)

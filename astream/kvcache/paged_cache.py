@@ -56,12 +56,12 @@ class PagedKVCache:
         write_kv(self.k[layer], self.v[layer], slots, k, v, self.format.scales(layer))
 
     def stored_keys(self, layer: int, k: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The keys `store` wrote at `slots` from `k`, as a read returns them (compute dtype):
-        `k` itself when the format stores it as it is."""
+        """The keys `store` wrote at `slots` from `k`, as stored (the format's dtype): `k`
+        itself when the format stores it as it is."""
         if not self.format.scaled and self.format.dtype == k.dtype:
             return k
         stored = self.k[layer].view(-1, *self.k[layer].shape[2:])
-        return self.format.read_keys(layer, as_bytes(stored).index_select(0, slots).view(stored.dtype))
+        return as_bytes(stored).index_select(0, slots).view(stored.dtype)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V at flat slots [N] as [N, kv_heads, head_dim] in the compute dtype."""

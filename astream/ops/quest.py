@@ -6,9 +6,14 @@ Pages are runs of `page_size` tokens inside cache blocks (block_size % page_size
 physical page id = block * (block_size // page_size) + j. Logical page p of a sequence
 lives in physical page block_table[p // ppb] * ppb + p % ppb, ppb = block_size // page_size.
 
-Bounds are kept in the cache's dtype: min and max only select stored values, so they are
-exact in it, and float32 would double their memory for nothing. No op here reads a device value on the host, and every output shape follows
-from input shapes and host ints, so all of them can run inside a captured CUDA graph.
+Bounds describe the keys as the cache stores them, in its element type: min and max
+only select stored values, so they are exact in it (float32 would double their memory
+for nothing). An fp8 cache stores value / scale with one positive scale per (layer, KV
+head): scores from its bounds are those of the dequantized keys divided by the head's
+scale, so they rank a head's pages alike, from half the bytes of bf16 bounds.
+
+No op here reads a device value on the host, and every output shape follows from input
+shapes and host ints, so all of them can run inside a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import Tensor
 
 from astream.ops.attention import select_decode_backend
 from astream.ops.attention_ref import MAX_SCORE_ELEMENTS, _softmax_rows, scale_heads
+from astream.ops.kv_write import as_bytes
 
 DEFAULT_PAGE_SIZE = 16
 GQA_REDUCTIONS = ("max", "sum")
@@ -35,11 +41,13 @@ def allocate_page_bounds(num_blocks: int, block_size: int, kv_heads: int, head_d
     """Empty bounds for every page of `num_blocks` blocks (count a scratch block in too).
 
     Returns kmin, kmax [num_blocks * ppb, kv_heads, head_dim] in `dtype`, set to +inf / -inf
-    (the identities of min / max), so an unwritten page bounds nothing.
+    (the identities of min / max; the largest finite values in a type without infinities,
+    float8_e4m3fn), so an unwritten page bounds nothing.
     """
     shape = (num_blocks * pages_per_block(block_size, page_size), kv_heads, head_dim)
-    return (torch.full(shape, float("inf"), dtype=dtype, device=device),
-            torch.full(shape, float("-inf"), dtype=dtype, device=device))
+    top = float("inf") if dtype != torch.float8_e4m3fn else torch.finfo(dtype).max
+    return (torch.full(shape, top, dtype=dtype, device=device),
+            torch.full(shape, -top, dtype=dtype, device=device))
 
 
 def update_page_bounds(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: Tensor,
@@ -55,16 +63,25 @@ def update_page_bounds(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: Tensor,
         from astream.ops import triton_quest_select
         triton_quest_select.update_page_bounds_triton(kmin, kmax, keys, slots, page_size)
         return
-    pages = (slots.long() // page_size).view(-1, 1, 1).expand(keys.shape)
-    starts = (slots.long() % page_size == 0).view(-1, 1, 1).expand(keys.shape)
-    inf = torch.full((), float("inf"), dtype=kmin.dtype, device=kmin.device)
-    # Reset as a reduction too (amax with +inf resets kmin, amax with -inf keeps it), so a
-    # page's reset and its other new tokens cannot race as plain duplicate-index writes would.
-    kmin.scatter_reduce_(0, pages, torch.where(starts, inf, -inf), "amax")
-    kmax.scatter_reduce_(0, pages, torch.where(starts, -inf, inf), "amin")
-    keys = keys.to(kmin.dtype)
-    kmin.scatter_reduce_(0, pages, keys, "amin")
-    kmax.scatter_reduce_(0, pages, keys, "amax")
+    if keys.shape[0] == 0:
+        return
+    # In float32 over the touched pages' rows, read and written as bytes: no float8 type
+    # has min/max or scatter kernels on the CPU. Rows sorted by page make each page one
+    # run; every row of a run writes the run's result, so duplicate writes agree.
+    pages, order = torch.sort(slots.long() // page_size, stable=True)
+    rows = torch.arange(pages.shape[0], device=pages.device)
+    run_start = torch.ones_like(pages, dtype=torch.bool)
+    run_start[1:] = pages[1:] != pages[:-1]
+    first = torch.cummax(torch.where(run_start, rows, 0), 0).values
+    restart = torch.zeros_like(pages).scatter_reduce_(
+        0, first, (slots.long()[order] % page_size == 0).long(), "amax").bool()[first]
+    index = first.view(-1, 1, 1).expand(-1, *keys.shape[1:])
+    keys = keys[order].float()
+    for bounds, reduce, empty in ((kmin, "amin", float("inf")), (kmax, "amax", float("-inf"))):
+        held = as_bytes(bounds).index_select(0, pages).view(bounds.dtype).float()
+        held = torch.where(restart.view(-1, 1, 1), empty, held)
+        folded = held.scatter_reduce_(0, index, keys, reduce)[first]
+        as_bytes(bounds).index_copy_(0, pages, as_bytes(folded.to(bounds.dtype)))
 
 
 def bounds_of_blocks(keys_blocks: Tensor, page_size: int = DEFAULT_PAGE_SIZE,

@@ -5,8 +5,8 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
 - bounds update: grid (token, KV head). The first new token of each page folds all of
   that page's new tokens into its bounds, so a prefill chunk's tokens never race.
 - table scores: grid (batch, KV head, page tile). Logical page -> physical page through
-  the block table in the kernel; bf16/fp16 bounds go through the tensor cores as they
-  are (q+ and q- are exact in the same dtype, products are exact in fp32).
+  the block table in the kernel; bounds are widened to q's dtype (exactly, from fp8) and
+  go through the tensor cores with q+ and q-, which are exact in it.
 - select: grid (batch, KV head). A bisection over the scores' order-preserving int32
   image finds a threshold that takes the budget (the row's first power-of-two pages,
   up to 16K, held in registers; pages past them re-read from L2 each step), then one
@@ -87,13 +87,14 @@ def _table_scores_kernel(
     q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + rows)[:, None] * stride_qh + dims[None, :],
                 mask=_dim_mask(rows < GROUP, dims, HEAD_DIM, D_PAD), other=0.0)
     mask = _dim_mask(ok, dims, HEAD_DIM, D_PAD)
+    compute = q_ptr.dtype.element_ty
     lo = tl.load(kmin_ptr + ids[:, None] * stride_np + kvh * stride_nh + dims[None, :],
-                 mask=mask, other=0.0)
+                 mask=mask, other=0.0).to(compute)
     hi = tl.load(kmax_ptr + ids[:, None] * stride_xp + kvh * stride_xh + dims[None, :],
-                 mask=mask, other=0.0)
+                 mask=mask, other=0.0).to(compute)
     # max(q*lo, q*hi) = q+ * hi + q- * lo since lo <= hi.
-    q_pos = tl.maximum(q, 0.0).to(kmax_ptr.dtype.element_ty)
-    q_neg = tl.minimum(q, 0.0).to(kmin_ptr.dtype.element_ty)
+    q_pos = tl.maximum(q, 0.0).to(compute)
+    q_neg = tl.minimum(q, 0.0).to(compute)
     s = _scores(q_pos, hi, USE_DOT, PRECISION) + _scores(q_neg, lo, USE_DOT, PRECISION)
     if SUM_GROUP:
         s = tl.sum(tl.where((rows < GROUP)[:, None], s, 0.0), axis=0)
@@ -289,7 +290,7 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
         kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1), block_tables.stride(0),
         scores.stride(0), scores.stride(1), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_P=SCORE_BLOCK_P, PAGE=page_size, PPB=ppb, USE_DOT=use_dot,
-        PRECISION="ieee" if kmin.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         SUM_GROUP=gqa_reduce == "sum", num_warps=NUM_WARPS,
     )
     phys_arg = phys if physical else indices            # unread placeholder

@@ -7,8 +7,8 @@ model's attention shape and the KV cache it will read (`KVLayout`): `bind` retur
 executor's attention adapters call, on the resident path and with offload alike:
 
 - `on_kv_written(layer, keys, slots)`: once per layer, the keys just stored (every new
-  token of the step, batched, as a read of the cache returns them) and their flat cache
-  slots (host pool slots with offload), if `watches_keys()`;
+  token of the step, batched, as the cache holds them: `KVLayout.key_dtype`) and their
+  flat cache slots (host pool slots with offload), if `watches_keys()`;
 - `selects_decode(layer, max_context)` (host ints only) and `select_decode(layer, query)`:
   which pages each sequence's decode query reads, per KV head, as device tensors;
 - `prefill_attention(layer, q, k, v, meta, causal, scale)`: may replace attention over one prefill
@@ -38,9 +38,12 @@ class KVLayout:
     head_dim: int
     num_blocks: int                  # physical blocks of the cache (the host pool with offload)
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype               # the model's: queries and attention outputs
     device: torch.device
     offload: bool
+    # What the cache stores keys as: the model's dtype, or an fp8 type holding value / scale
+    # with one positive scale per (layer, KV head).
+    key_dtype: torch.dtype
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,8 +79,8 @@ class PolicyRuntime:
 
     def watches_keys(self) -> bool:
         """Whether `on_kv_written` uses the keys (host only): the executor then hands it the
-        keys as a later read sees them (dequantized from an fp8 cache). By default: whether
-        the runtime overrides `on_kv_written`."""
+        keys as stored (fp8 ones not dequantized). By default: whether the runtime
+        overrides `on_kv_written`."""
         return type(self).on_kv_written is not PolicyRuntime.on_kv_written
 
     def selects_decode(self, layer: int, max_context: int) -> bool:

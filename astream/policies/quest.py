@@ -79,7 +79,7 @@ class QuestPolicy(SparsePolicy):
     def bind(self, layout: KVLayout) -> "QuestRuntime":
         ops.pages_per_block(layout.block_size, self.page_size)          # raises if they do not fit
         bounds = [ops.allocate_page_bounds(layout.num_blocks, layout.block_size, layout.num_kv_heads,
-                                           layout.head_dim, dtype=layout.dtype, device=layout.device,
+                                           layout.head_dim, dtype=layout.key_dtype, device=layout.device,
                                            page_size=self.page_size)
                   if layer >= self.dense_layers else None for layer in range(layout.num_layers)]
         counters = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
