@@ -125,16 +125,17 @@ def save(name: str, result: dict, smoke: bool = False) -> None:
 
 @contextmanager
 def engine_core(config) -> Iterator:
-    """An EngineCore for `config`, closed on the way out with its graphs and device memory
-    handed back, so the next engine of the run sizes its cache from a clean device."""
+    """An EngineCore for `config`, closed on the way out. Its device memory goes back to
+    the driver when the next engine_core() starts, so every engine of a run sizes its
+    cache from a clean device; the caller's `as` name holds it until then (a loop must
+    `del` that name before its next engine)."""
     from astream.core import EngineCore
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     core = EngineCore.create(config)
     try:
         yield core
     finally:
         core.runner.graphs = None
         core.close()
-        del core
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()

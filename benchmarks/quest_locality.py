@@ -126,6 +126,7 @@ def main() -> None:
             for ctx in contexts:
                 rows.append({"budget": budget, **one_context(core, log, ctx, 6 if args.smoke else args.steps,
                                                              natural, seed=ctx)})
+        del core                # so the next engine_core() can hand its memory back
     save(args.name, {"model": args.model or "smollm2", "rows": rows}, smoke=args.smoke)
 
 
