@@ -100,24 +100,56 @@ def test_update_page_bounds_prefill_decode_reuse(dtype):
     world.check()
 
 
-def test_bounds_of_blocks_and_store():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2])
+def test_update_page_bounds_in_any_row_order_matches_brute_force(dtype):
+    """The reference's contract for rows in any order: a page's tokens among other pages',
+    its offset-0 token anywhere (the page restarts), one slot written many times, and
+    mid-page tokens of a page never written (folded into its empty bounds)."""
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block, page, kvh, dim = 6, 32, 16, 2, 8
+    kmin, kmax = quest.allocate_page_bounds(num_blocks, block, kvh, dim, dtype=dtype,
+                                            device="cpu", page_size=page)
+    want_lo = torch.full(kmin.shape, INF)
+    want_hi = torch.full(kmin.shape, -INF)
+    touched = set()
+    for _ in range(6):
+        slots = torch.randint(0, num_blocks * block, (40,), generator=gen)
+        keys = (torch.randn(40, kvh, dim, generator=gen) * 50).to(dtype)
+        quest.update_page_bounds(kmin, kmax, keys, slots, page)
+        for p in set((slots // page).tolist()):
+            rows = slots // page == p
+            lo, hi = keys[rows].float().amin(0), keys[rows].float().amax(0)
+            if not (slots[rows] % page == 0).any():
+                lo, hi = torch.minimum(lo, want_lo[p]), torch.maximum(hi, want_hi[p])
+            want_lo[p], want_hi[p] = lo, hi
+        touched |= set((slots // page).tolist())
+        pages = sorted(touched)
+        assert torch.equal(kmin[pages].float(), want_lo[pages])
+        assert torch.equal(kmax[pages].float(), want_hi[pages])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_bounds_of_blocks_and_store(dtype):
     gen = torch.Generator().manual_seed(1)
-    keys = torch.randn(3, 32, 2, 8, generator=gen)
+    keys = torch.randn(3, 32, 2, 8, generator=gen).to(dtype)
     valid = torch.tensor([32, 20, 0])
     lo, hi = quest.bounds_of_blocks(keys, 16, valid)
+    empty_lo, empty_hi = quest.allocate_page_bounds(1, 16, 2, 8, dtype=dtype, device="cpu")
     assert lo.shape == (6, 2, 8) and lo.dtype == keys.dtype
     for n in range(3):
         for j in range(2):
-            part = keys[n, j * 16: min((j + 1) * 16, int(valid[n]))]
+            part = keys[n, j * 16: min((j + 1) * 16, int(valid[n]))].float()
             if len(part):
-                assert torch.equal(lo[n * 2 + j], part.amin(0))
-                assert torch.equal(hi[n * 2 + j], part.amax(0))
+                assert torch.equal(lo[n * 2 + j].float(), part.amin(0))
+                assert torch.equal(hi[n * 2 + j].float(), part.amax(0))
             else:
-                assert torch.all(lo[n * 2 + j] == INF) and torch.all(hi[n * 2 + j] == -INF)
-    kmin, kmax = quest.allocate_page_bounds(10, 32, 2, 8, dtype=torch.bfloat16, device="cpu")
+                assert torch.equal(lo[n * 2 + j].float(), empty_lo[0].float())
+                assert torch.equal(hi[n * 2 + j].float(), empty_hi[0].float())
+    kmin, kmax = quest.allocate_page_bounds(10, 32, 2, 8, dtype=dtype, device="cpu")
     quest.store_block_bounds(kmin, kmax, keys[:2], torch.tensor([7, 2]), 16)
-    torch.testing.assert_close(kmin[[14, 15, 4, 5]], quest.bounds_of_blocks(keys[:2])[0].bfloat16())
-    assert torch.all(kmax[[0, 1, 16]] == -INF)
+    assert torch.equal(kmin[[14, 15, 4, 5]].float(), quest.bounds_of_blocks(keys[:2])[0].float())
+    assert torch.equal(kmax[[0, 1, 16]].float(), empty_hi[[0, 0, 0]].float())
 
 
 # ---- attention over selected pages ---------------------------------------------------

@@ -45,9 +45,15 @@ def allocate_page_bounds(num_blocks: int, block_size: int, kv_heads: int, head_d
     float8_e4m3fn), so an unwritten page bounds nothing.
     """
     shape = (num_blocks * pages_per_block(block_size, page_size), kv_heads, head_dim)
-    top = float("inf") if dtype != torch.float8_e4m3fn else torch.finfo(dtype).max
+    top = _empty_bound(dtype)
     return (torch.full(shape, top, dtype=dtype, device=device),
             torch.full(shape, -top, dtype=dtype, device=device))
+
+
+def _empty_bound(dtype: torch.dtype) -> float:
+    """An empty page's kmin (its kmax is the negation): +inf, or the largest finite value of
+    a type without infinities."""
+    return torch.finfo(dtype).max if dtype == torch.float8_e4m3fn else float("inf")
 
 
 def update_page_bounds(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: Tensor,
@@ -89,19 +95,21 @@ def bounds_of_blocks(keys_blocks: Tensor, page_size: int = DEFAULT_PAGE_SIZE,
     """Bounds of whole blocks: keys_blocks [n, block_size, KVH, D] -> kmin, kmax [n*ppb, KVH, D].
 
     num_valid [n] (optional) counts the written tokens of each block; the rest are ignored
-    (a page with none gets the empty bounds +inf / -inf). Output dtype = keys' dtype.
+    (a page with none gets allocate_page_bounds' empty bounds). Output dtype = keys' dtype.
     """
     n, block_size, kv_heads, head_dim = keys_blocks.shape
     ppb = pages_per_block(block_size, page_size)
-    lo = hi = keys_blocks
+    lo = hi = keys_blocks.float()              # float8 has no masked_fill or min on the CPU
     if num_valid is not None:
         hidden = torch.arange(block_size, device=keys_blocks.device) >= num_valid.view(-1, 1)
         hidden = hidden.view(n, block_size, 1, 1)
-        lo = keys_blocks.masked_fill(hidden, float("inf"))
-        hi = keys_blocks.masked_fill(hidden, float("-inf"))
-    kmin = lo.unflatten(1, (ppb, page_size)).amin(dim=2)
-    kmax = hi.unflatten(1, (ppb, page_size)).amax(dim=2)
-    return kmin.reshape(n * ppb, kv_heads, head_dim), kmax.reshape(n * ppb, kv_heads, head_dim)
+        lo = lo.masked_fill(hidden, float("inf"))
+        hi = hi.masked_fill(hidden, float("-inf"))
+    top = _empty_bound(keys_blocks.dtype)
+    kmin, kmax = (reduce(side.unflatten(1, (ppb, page_size)), dim=2).clamp(-top, top)
+                  .reshape(n * ppb, kv_heads, head_dim).to(keys_blocks.dtype)
+                  for side, reduce in ((lo, torch.amin), (hi, torch.amax)))
+    return kmin, kmax
 
 
 def store_block_bounds(kmin: Tensor, kmax: Tensor, keys_blocks: Tensor, blocks: Tensor,
@@ -111,8 +119,8 @@ def store_block_bounds(kmin: Tensor, kmax: Tensor, keys_blocks: Tensor, blocks: 
     ppb = pages_per_block(keys_blocks.shape[1], page_size)
     pages = (blocks.long().view(-1, 1) * ppb + torch.arange(ppb, device=blocks.device)).view(-1)
     lo, hi = bounds_of_blocks(keys_blocks, page_size, num_valid)
-    kmin.index_copy_(0, pages, lo.to(kmin.dtype))
-    kmax.index_copy_(0, pages, hi.to(kmax.dtype))
+    for bounds, side in ((kmin, lo), (kmax, hi)):
+        as_bytes(bounds).index_copy_(0, pages, as_bytes(side.to(bounds.dtype)))
 
 
 def _selected_slots(block_tables: Tensor, page_indices: Tensor, page_counts: Tensor,
