@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14's load times on the GPU machine, in one device call, after the Qwen GGUF is
+# Load times on the GPU machine, in one device call, after the Qwen GGUF is
 # staged (stage.sh qwen) and the prelude has run. Writes JSON and profiles under $OUT.
 #
 #   bash benchmarks/load_gpu.sh /tmp/qwen25coder05b.gguf .carry/tok
