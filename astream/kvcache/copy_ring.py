@@ -5,8 +5,9 @@ issuing the copies between the chain's graphs.
 A single graph cannot hold these copies (a captured cudaMemcpyAsync bakes in its host
 addresses, and the blocks a step reads change). A kernel reading the pool in place could
 live in one graph, but it moved 46-49 GB/s where the copy engine moves 54, and the chain
-was faster at every context measured (docs/BENCHMARKS.md, issue 15). So the step's compute
-is cut before each layer reads its slot, and at each cut the host:
+was faster at every context measured (docs/benchmarks-history.md, "Offloaded Full decode
+from a chain of CUDA graphs"). So the step's compute is cut before each layer reads its
+slot, and at each cut the host:
 1. marks the slot of the layer before free (the compute queued so far has read it),
 2. starts the copies the freed slots allow, up to one slot per ring slot ahead,
 3. makes the compute stream wait for this layer's slot to land.
