@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,44 +18,78 @@ _KV_ALIASES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "half": "f
                "fp8": "fp8_e4m3", **{name: name for name in _KV_DTYPES}}
 
 
+def option(default: object, help: str, **metadata) -> Any:
+    """A field with its help text: the command line shows it (cli.py reads metadata["help"])."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Engine settings. `None` means "derive a sensible value" (see `resolve`)."""
 
-    model: str | None = None               # HF folder or .gguf file; None: embedded SmolLM2
-    tokenizer: str | None = None           # defaults to the model's own
-    load_format: str = "auto"              # "auto", or "dummy": random weights (benchmarks)
-    device: str = "auto"                   # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"                    # "auto": bfloat16 on CUDA, float32 on CPU
-    max_model_len: int | None = None       # prompt + output tokens of one sequence
-    max_num_seqs: int = 64                 # sequences running at once
-    max_num_batched_tokens: int | None = None  # tokens one step may compute (chunked prefill budget)
-    kv_block_size: int | None = None       # tokens per KV block; None: 16, or 256 with offload
-    num_kv_blocks: int | None = None       # KV blocks on the device
-    gpu_memory_utilization: float = 0.85   # share of free GPU memory the engine may take
-    cpu_kv_cache_gib: float = 1.0          # KV budget when the "device" is the CPU
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False            # no CUDA graphs
-    cuda_graph_max_batch: int = 256        # largest decode batch captured in a graph
-    seed: int = 0                          # for requests without their own seed
-    stream_buffer_tokens: int = 1024       # unread tokens before a request pauses (docs/ENGINE.md)
+    model: str | None = option(
+        None, "HF folder, .gguf file or Hugging Face hub id; unset: the embedded SmolLM2-135M-Instruct")
+    tokenizer: str | None = option(
+        None, "a folder or .gguf file to take the tokenizer and chat template from; "
+        "unset: the model's own")
+    load_format: str = option(
+        "auto", "auto: read the checkpoint's weights; dummy: random weights of the same shapes "
+        "(for benchmarks)")
+    device: str = option(
+        "auto", "auto (the GPU when there is one, else the CPU), cpu, cuda or cuda:N")
+    dtype: str = option(
+        "auto", "weights and activations: auto (bfloat16 on CUDA, float32 on the CPU), "
+        "bfloat16/bf16, float16/fp16/half or float32/fp32")
+    max_model_len: int | None = option(
+        None, "most tokens (prompt + output) one sequence may hold; unset: the model's context, "
+        "capped by the KV memory there is")
+    max_num_seqs: int = option(64, "most sequences running at once (continuous batching)")
+    max_num_batched_tokens: int | None = option(
+        None, "most tokens one step computes: the chunked-prefill budget; unset: chosen from "
+        "the model and the device")
+    kv_block_size: int | None = option(
+        None, "tokens per KV block, a power of two; unset: 16, or 256 with offload")
+    num_kv_blocks: int | None = option(
+        None, "KV blocks on the device; unset: as many as the memory budget "
+        "(gpu_memory_utilization or cpu_kv_cache_gib) allows")
+    gpu_memory_utilization: float = option(
+        0.85, "share of the GPU's free memory the engine may take, in [0.05, 0.99]")
+    cpu_kv_cache_gib: float = option(1.0, "KV cache budget in GiB when the device is the CPU")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV of prompt prefixes already computed (shared system prompts, chat "
+        "history)")
+    enforce_eager: bool = option(False, "run every step eagerly: no CUDA graphs for decode")
+    cuda_graph_max_batch: int = option(256, "largest decode batch captured in a CUDA graph")
+    seed: int = option(0, "random seed for requests that bring none of their own")
+    stream_buffer_tokens: int = option(
+        1024, "tokens a request may have produced but its reader not yet taken before it "
+        "pauses (backpressure; docs/ENGINE.md)")
     # KV offload: the cache lives in (pinned) host memory behind a small GPU ring.
-    offload: bool = False
-    offload_host_gib: float | None = None  # host KV pool; None: what max_num_seqs full sequences need
-    offload_ring_slots: int = 3            # device buffers host KV loads into; loads run this many ahead
-    offload_slot_tokens: int | None = None # KV tokens one ring slot holds; None: sized from GPU memory
-    offload_prefetch_layers: int | None = None   # deprecated: offload_ring_slots - 1
-    sparse_policy: object = field(         # a policy name (policies/) or a SparsePolicy instance
-        default="full", metadata={"help": "full, quest, xattention, minference, or a prefill+decode "
-                                  "pair such as xattention+quest; parameters in parentheses, e.g. "
-                                  "'xattention(threshold=0.95)'"})
-    sparse_budget: int | None = None       # KV tokens a sparse decode reads (a policy given by name)
-    kv_cache_dtype: str = field(           # how K/V are stored (docs/ENGINE.md, "FP8 KV cache")
-        default="auto", metadata={"help": "auto (the model's dtype), bfloat16, float16, fp8_e4m3 "
-                                  "or fp8_e5m2 (fp8 = fp8_e4m3): 8-bit floats halve the KV bytes"})
-    kv_cache_scale: float | None = field(  # fp8 only: one fixed scale; None: calibrated at start
-        default=None, metadata={"help": "fp8 KV only: store value / SCALE for every layer and "
-                                "head instead of scales calibrated when the engine starts"})
+    offload: bool = option(
+        False, "keep the KV cache in pinned host memory behind a small GPU ring buffer, "
+        "loaded layer by layer (long prompts on little GPU memory)")
+    offload_host_gib: float | None = option(
+        None, "host KV pool in GiB with offload; unset: what max_num_seqs full sequences need")
+    offload_ring_slots: int = option(
+        3, "device buffers host KV loads into with offload; loads run this many layers ahead")
+    offload_slot_tokens: int | None = option(
+        None, "KV tokens one ring slot holds with offload; unset: sized from GPU memory")
+    offload_prefetch_layers: int | None = option(
+        None, "deprecated: use offload_ring_slots (= offload_prefetch_layers + 1)")
+    sparse_policy: object = option(        # a policy name (policies/) or a SparsePolicy instance
+        "full", "full, quest, xattention, minference, or a prefill+decode pair such as "
+        "xattention+quest; parameters in parentheses, e.g. 'xattention(threshold=0.95)'")
+    sparse_budget: int | None = option(
+        None, "KV tokens a sparse decode policy (quest) reads per step")
+    kv_cache_dtype: str = option(          # how K/V are stored (docs/ENGINE.md, "FP8 KV cache")
+        "auto", "auto (the model's dtype), bfloat16, float16, fp8_e4m3 or fp8_e5m2 "
+        "(fp8 = fp8_e4m3): 8-bit floats halve the KV bytes")
+    kv_cache_scale: float | None = option(  # fp8 only: one fixed scale; None: calibrated at start
+        None, "fp8 KV only: store value / SCALE for every layer and head instead of scales "
+        "calibrated when the engine starts")
+    show_progress: bool | None = option(
+        None, "show model loading on stderr (a bar, then the time it took); unset: when stderr "
+        "is a terminal, unless $ASTREAM_SHOW_PROGRESS is 0")
 
     def __post_init__(self) -> None:
         if self.offload_prefetch_layers is not None:
@@ -87,6 +122,8 @@ class EngineConfig:
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
+        if self.show_progress not in (None, True, False):
+            raise ValueError(f"show_progress must be true, false or None, got {self.show_progress!r}")
         if self.kv_cache_scale is not None:
             if self.kv_cache_dtype not in _FP8_KV:
                 raise ValueError("kv_cache_scale applies to an fp8 kv_cache_dtype only, got "

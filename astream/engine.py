@@ -19,6 +19,7 @@ import torch
 from astream.config import EngineConfig
 from astream.core import EngineCore
 from astream.errors import EngineClosedError
+from astream.load_progress import LoadProgress, wants_progress
 from astream.metrics import EngineMetrics
 from astream.outputs import Completion, Progress, StreamToken
 from astream.policies import check_policy_mode, make_policy
@@ -59,7 +60,18 @@ class Engine:
     # ---- lifecycle ------------------------------------------------------------------
 
     async def __aenter__(self) -> "Engine":
-        self.core = await run_off_loop(EngineCore.create, self.config, self._load_progress)
+        display = LoadProgress.start(self.config.model, wants_progress(self.config.show_progress, sys.stderr))
+
+        def progress(done: int, total: int) -> None:
+            display.weights(done, total)
+            if self._load_progress is not None:
+                self._load_progress(done, total)
+
+        try:
+            self.core = await run_off_loop(EngineCore.create, self.config, progress)
+        finally:
+            display.close()
+        display.finish()
         self._ctx = StageContext(self.core, Notifier(), anyio.Semaphore(STEPS_IN_FLIGHT))
         self._host = anyio.create_task_group()
         await self._host.__aenter__()

@@ -21,7 +21,8 @@ class LLM:
         outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32))
 
     The engine runs on an event loop in a background thread; `generate` blocks
-    until every prompt is done.
+    until every prompt is done. Loading shows its progress on stderr when stderr is a
+    terminal; `show_progress=False` (or ASTREAM_SHOW_PROGRESS=0) keeps it quiet.
     """
 
     def __init__(self, model: str | None = None, **config) -> None:
