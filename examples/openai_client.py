@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import openai
 
@@ -37,4 +38,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except openai.APIConnectionError as exc:
+        sys.exit(f"no astream server at {exc.request.url.copy_with(path='/')} ({exc.message}); "
+                 "start one with `astream serve` (then run this again), or pass --base-url")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from contextlib import aclosing
 
 import anyio
@@ -53,4 +54,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default="ws://127.0.0.1:8765")
     parser.add_argument("--api-key", default=os.environ.get("ASTREAM_API_KEY"))
-    anyio.run(main, parser.parse_args())
+    args = parser.parse_args()
+    try:
+        anyio.run(main, args)
+    except OSError as exc:                     # connection refused, unknown host: no server there
+        sys.exit(f"no astream server at {args.url} ({exc.strerror or exc}); start one with "
+                 "`astream serve` (then run this again), or pass --url")
