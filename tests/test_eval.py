@@ -211,6 +211,10 @@ def test_without_matplotlib_all_but_the_plot_is_written(tok, tmp_path, monkeypat
     assert cell["accuracy"] == 0.5
     assert cell["prefill_tok_s"] == pytest.approx(sum(len(t.prompt_ids) for t in trials) / 2.0, abs=0.1)
     assert cell["decode_tok_s"] == 8.0                                # (5 - 1) * 2 tokens / 1 s
+    assert cell["trials"] == 2 and "prompt_tokens" not in cell        # per trial or total, named so
+    assert cell["prompt_tokens_total"] == sum(len(t.prompt_ids) for t in trials)
+    assert cell["prompt_tokens_per_trial"] == pytest.approx(cell["prompt_tokens_total"] / 2, abs=0.05)
+    assert 250 <= cell["prompt_tokens_per_trial"] <= 300
     assert re.search(r"300\s+50%\s+50%", format_summary(run.cells))
 
 

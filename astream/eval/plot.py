@@ -1,4 +1,5 @@
-"""PNG plots of a run, drawn with matplotlib when it is installed (the `eval` extra)."""
+"""PNG plots of a run, drawn with matplotlib when it is installed (the `eval` extra).
+Accuracy is plotted in percent, on the axes, the colour bar and in the squares alike."""
 
 from __future__ import annotations
 
@@ -38,18 +39,17 @@ def write_heatmap(cells: Sequence[CellResult], path: Path) -> Path:
     for ax, task in zip(axes, tasks):
         mine = [c for c in cells if c.task == task]
         lengths, depths = _unique(c.length for c in mine), _unique(c.depth for c in mine)
-        grid = [[_accuracy(mine, length, depth) for depth in depths] for length in lengths]
-        image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        grid = [[100 * _accuracy(mine, length, depth) for depth in depths] for length in lengths]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=100.0, aspect="auto")
         for row, values in enumerate(grid):
             for col, value in enumerate(values):
-                ax.text(col, row, "-" if math.isnan(value) else f"{100 * value:.0f}",
-                        ha="center", va="center")
+                ax.text(col, row, "-" if math.isnan(value) else f"{value:.0f}", ha="center", va="center")
         ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
         ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_xlabel("depth")
         ax.set_ylabel("prompt tokens")
         ax.set_title(task)
-    figure.colorbar(image, ax=list(axes), label="accuracy")
+    figure.colorbar(image, ax=list(axes), label="accuracy (%)")
     figure.suptitle(cells[0].config)
     figure.savefig(path, dpi=120)
     return path
@@ -65,12 +65,12 @@ def write_compare_plot(cells: Sequence[CellResult], path: Path) -> Path:
     for ax, task in zip(axes, tasks):
         mine = [c for c in cells if c.task == task]
         for length in _unique(c.length for c in mine):
-            values = [_accuracy([c for c in mine if c.config == k], length) for k in configs]
+            values = [100 * _accuracy([c for c in mine if c.config == k], length) for k in configs]
             ax.plot(range(len(configs)), values, marker="o", label=f"{length} tokens")
         ax.set_xticks(range(len(configs)), configs, rotation=20)
-        ax.set_ylim(-0.05, 1.05)
+        ax.set_ylim(-5, 105)
         ax.set_xlabel("configuration (policy:budget)")
-        ax.set_ylabel("accuracy")
+        ax.set_ylabel("accuracy (%)")
         ax.set_title(task)
         ax.legend()
     figure.savefig(path, dpi=120)

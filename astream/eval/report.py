@@ -71,7 +71,8 @@ class ResultsFile:
 
 
 def summary(cells: Sequence[CellResult]) -> dict:
-    """Accuracy and throughput per configuration and per cell (summary.json)."""
+    """Accuracy and throughput per configuration and per cell (summary.json). Accuracy is a
+    fraction in [0, 1]; a cell's prompt tokens are given per trial (the mean) and in total."""
     out: dict = {}
     for config in _unique(c.config for c in cells):
         mine = [c for c in cells if c.config == config]
@@ -80,7 +81,9 @@ def summary(cells: Sequence[CellResult]) -> dict:
             "accuracy": _accuracy(mine), "prefill_tok_s": round(speed.prefill_tok_s, 1),
             "decode_tok_s": round(speed.decode_tok_s, 1),
             "cells": [{"task": c.task, "length": c.length, "depth": c.depth, "trials": len(c.results),
-                       "accuracy": c.accuracy, "prompt_tokens": c.prompt_tokens,
+                       "accuracy": c.accuracy,
+                       "prompt_tokens_per_trial": round(c.prompt_tokens / max(len(c.results), 1), 1),
+                       "prompt_tokens_total": c.prompt_tokens,
                        "prefill_tok_s": round(throughput([c]).prefill_tok_s, 1),
                        "decode_tok_s": round(throughput([c]).decode_tok_s, 1), **c.policy}
                       for c in mine]}
