@@ -269,7 +269,8 @@ def served_model(url: str, api_key: str | None) -> str | None:
 def run_load(protocol: str, url: str, requests: list[Request], args: argparse.Namespace,
              model: str | None) -> tuple[list[RequestResult], list[ClientReport], float]:
     """Send `requests` from --clients spawned processes; (results by index, reports, start)."""
-    parts = split_round_robin(requests, max(1, args.clients))
+    # With a concurrency cap below --clients, fewer processes: each needs a share of at least one.
+    parts = split_round_robin(requests, max(1, min(args.clients, args.max_concurrency or args.clients)))
     concurrency = None
     if args.max_concurrency:
         concurrency = [args.max_concurrency // len(parts) + (i < args.max_concurrency % len(parts))
