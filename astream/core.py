@@ -23,7 +23,8 @@ from astream.ops.attention import select_backend
 from astream.ops.backends import CUDNN_SHAPE_STEP
 from astream.ops.triton_warmup import start_cache_key_warmup
 from astream.policies import SparsePolicy, check_policy_mode, make_policy
-from astream.request import ListSink, Request, RequestSink
+from astream.outputs import TokenLogprob
+from astream.request import Choice, ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
 from astream.sampling import SamplingParams
 from astream.errors import PromptTooLongError
@@ -71,18 +72,18 @@ class EngineCore:
         runtime = DeviceRuntime(device)
         if triton_key is not None:
             triton_key.join()
-        runner = build_runner(config, plan, model.decoder, runtime, policy, fmt)
+        eos = frozenset(stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids))
+        runner = build_runner(config, plan, model.decoder, runtime, policy, fmt, eos)
         align = plan.block_size if config.offload else 1
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
                             align_chunks_to=align, prefer_chunks_of=_chunk_step(runner, align)),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
-        eos = stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids)
         log.info("astream: %s on %s (%s), %d KV blocks of %d tokens (%s)%s, max_model_len %d, "
                  "attention %s", path.name, device, dtype, plan.num_blocks, plan.block_size,
                  str(fmt.dtype).removeprefix("torch."), " in host memory" if config.offload else "",
                  plan.max_model_len, select_backend(device))
-        return cls(config, plan, model, runtime, scheduler, runner, frozenset(eos),
+        return cls(config, plan, model, runtime, scheduler, runner, eos,
                    PromptBound.of(model.tokenizer))
 
     @property
@@ -117,19 +118,34 @@ class EngineCore:
         return prompt_to_ids(self.tokenizer, prompt, self.model.decoder.config.vocab_size)
 
     def admit(self, request: Request, prompt_ids: list[int]) -> None:
-        """Hand a tokenized request to the scheduler; a prompt it cannot take rejects it."""
+        """Hand a tokenized request to the scheduler; a prompt it cannot take rejects it.
+
+        With n > 1 the first choice computes the prompt alone; the others wait for its KV
+        (see `_release_forks`) and then attach the prompt's full blocks from the prefix
+        cache, computing only its last, partial block themselves."""
         if not self.is_live(request):
             return                                          # ended while it was tokenized
         try:
-            seq = Sequence(request.request_id, list(prompt_ids), request.params,
-                           next(self._arrivals), request.client)
-            text = RequestText(request.params, IncrementalDetokenizer.start(self.tokenizer, prompt_ids),
-                               self.eos_ids)
-            self.scheduler.add(seq)
+            choices = [Choice(Sequence(request.request_id, list(prompt_ids), request.params,
+                                       next(self._arrivals), request.client, index=index),
+                              RequestText(request.params,
+                                          IncrementalDetokenizer.start(self.tokenizer, prompt_ids),
+                                          self.eos_ids))
+                       for index in range(request.params.n)]
+            self.scheduler.add(choices[0].seq)
         except Exception as exc:                            # this request's fault alone
             self.reject(request, exc)
             return
-        request.seq, request.text = seq, text
+        request.choices = choices
+        request.forks = [choice.seq for choice in choices[1:]]
+        if not self.scheduler.blocks.enable_prefix_caching:
+            self._release_forks(request)                    # nothing to share: no reason to wait
+
+    def _release_forks(self, request: Request) -> None:
+        """The prompt's KV is written (or will not be shared): the other choices may start."""
+        forks, request.forks = request.forks, []
+        for seq in forks:
+            self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     client: str = "") -> ListSink:
@@ -150,15 +166,20 @@ class EngineCore:
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a live request wherever it is (queued, waiting or running): its blocks return,
-        and its consumer gets the text that was complete and the finish reason."""
+        and its consumer gets, for each choice still going, the text that was complete and
+        the finish reason."""
         if not self.is_live(request):
             return
         del self.requests[request.request_id]
-        text = ""
-        if request.seq is not None:
-            self.scheduler.finish(request.seq, reason)
-            text = request.text.finish_early(reason)
-        request.sink.token(-1, text, reason, error)
+        request.forks = []
+        if not request.choices:                             # not admitted yet
+            for index in range(request.params.n):
+                request.sink.token(-1, "", reason, error, index)
+            return
+        for choice in request.choices:
+            if not choice.finished:
+                self.scheduler.finish(choice.seq, reason)
+                request.sink.token(-1, choice.text.finish_early(reason), reason, error, choice.seq.index)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -177,6 +198,8 @@ class EngineCore:
         seqs = [item.seq for item in batch.items if not item.seq.is_finished]
         message = f"{type(exc).__name__}: {exc}"
         for seq in seqs:
+            if seq.is_finished:                # another choice of its request failed it
+                continue
             if len(seqs) == 1 or self.scheduler.record_fault(seq) >= _MAX_FAULTS:
                 log.warning("request %s failed in a step: %s", seq.request_id, message)
                 self.finish(self.requests[seq.request_id], "error", message)
@@ -221,9 +244,16 @@ class EngineCore:
                 register(item.seq, item.start + item.num_tokens)
         delivered = 0
         arrived, requests, max_len = self.scheduler.token_arrived, self.requests, self.plan.max_model_len
-        for seq, token_id in zip(output.sampled, output.host_ids.tolist()):
+        logprobs = output.logprobs
+        for row, (seq, token_id) in enumerate(zip(output.sampled, output.host_ids.tolist())):
             if arrived(seq, token_id):
-                delivered += self._deliver_token(requests[seq.request_id], token_id, max_len)
+                request = requests[seq.request_id]
+                if request.forks:              # the first choice's prompt KV is written
+                    self._release_forks(request)
+                logprob = None if logprobs is None or seq.params.logprobs is None else \
+                    logprobs.token(row, token_id, seq.params.logprobs)
+                delivered += self._deliver_token(request, request.choices[seq.index], token_id,
+                                                 logprob, max_len)
         for item in output.batch.items:
             if item.sample:                    # a decode, or a prompt's last chunk: no progress
                 continue
@@ -232,19 +262,21 @@ class EngineCore:
                 request.sink.progress(item.start + item.num_tokens, item.seq.num_prompt_tokens)
         return delivered
 
-    def _deliver_token(self, request: Request, token_id: int, max_len: int) -> int:
-        seq = request.seq
+    def _deliver_token(self, request: Request, choice: Choice, token_id: int,
+                       logprob: TokenLogprob | None, max_len: int) -> int:
+        seq = choice.seq
         try:
-            delta = request.text.append(token_id, seq.num_tokens >= max_len)
+            delta = choice.text.append(token_id, seq.num_tokens >= max_len)
         except Exception as exc:               # a detokenizer or stop-check fault: this request only
             log.warning("request %s failed in output processing: %r", seq.request_id, exc)
             self.finish(request, "error", f"{type(exc).__name__}: {exc}")
             return 0
-        reason = request.text.finished
+        reason = choice.text.finished
         if reason is not None:
-            del self.requests[request.request_id]
             self.scheduler.finish(seq, reason)
-        if not request.sink.token(token_id, delta, reason):
+            if request.done:
+                del self.requests[request.request_id]
+        if not request.sink.token(token_id, delta, reason, None, seq.index, logprob):
             self.finish(request, "abort")       # the consumer is gone
         elif reason is None and request.sink.backlog >= self.config.stream_buffer_tokens:
             self.scheduler.pause(seq)

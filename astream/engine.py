@@ -21,7 +21,7 @@ from astream.core import EngineCore
 from astream.errors import EngineClosedError
 from astream.load_progress import LoadProgress, wants_progress
 from astream.metrics import EngineMetrics
-from astream.outputs import Completion, Progress, StreamToken
+from astream.outputs import Completion, CompletionOutput, Progress, StreamToken
 from astream.policies import check_policy_mode, make_policy
 from astream.request import Request
 from astream.request_stream import RequestStream
@@ -135,7 +135,9 @@ class Engine:
         """Tokens of one request as they are produced. Leaving the loop early aborts it.
 
         A bad prompt raises ValueError here. With progress=True, `Progress` items
-        report long prefills between tokens. Requests of one `client` share a fair part
+        report long prefills between tokens. With params.n > 1 the n completions' tokens
+        interleave, each naming its completion in `choice`; the stream ends after the last
+        completion's final token. Requests of one `client` share a fair part
         of the running slots with those of other clients (see docs/ENGINE.md).
         """
         request = await self.request(prompt, params, request_id, progress=progress, client=client)
@@ -158,16 +160,15 @@ class Engine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, *, client: str = "") -> Completion:
+        """The whole request: its n completions in `outputs`, the first one's fields also
+        on the Completion itself."""
         request = await self.request(prompt, params, request_id, client=client)
-        completion = Completion(request.request_id, [])
+        n = 1 if params is None else params.n
+        outputs = [CompletionOutput(index) for index in range(n)]
         async with request:
             async for tok in request:
-                if tok.token_id >= 0:
-                    completion.token_ids.append(tok.token_id)
-                completion.text += tok.text
-                completion.finish_reason, completion.error = tok.finish_reason, tok.error
-        completion.prompt_token_ids = request.prompt_token_ids
-        return completion
+                outputs[tok.choice].add(tok)
+        return Completion(request.request_id, request.prompt_token_ids, outputs)
 
     async def abort(self, request_id: str) -> None:
         """End a request with finish_reason "abort". Unknown or finished ids are a no-op."""
@@ -212,7 +213,7 @@ class Engine:
             raise TypeError(f"client must be a string, got {type(client).__name__}")
         self.core.check_prompt_size(prompt)
         request_id = request_id or uuid.uuid4().hex
-        channel = RequestChannel.open(request_id, self.metrics)
+        channel = RequestChannel.open(request_id, self.metrics, params.n)
         request = self.core.open_request(request_id, params, channel, client)
         channel.prompt_tokens = lambda: 0 if request.seq is None else request.seq.num_prompt_tokens
         try:
@@ -223,6 +224,7 @@ class Engine:
         return request, channel
 
     async def _follow(self, request: Request, channel: RequestChannel, progress: bool):
+        ended = 0
         try:
             async for item in channel.queue:
                 if isinstance(item, Rejected):
@@ -235,7 +237,9 @@ class Engine:
                     self._ctx.wake.notify()       # the backlog shrank; the scheduler may resume it
                 yield item
                 if item.finish_reason is not None:
-                    return
+                    ended += 1
+                    if ended == request.params.n:
+                        return
         finally:
             self._abort_request(request)
             channel.queue.abandon()

@@ -28,6 +28,7 @@ class Sequence:
     params: SamplingParams
     arrival: int                                    # admission order: ties between clients
     client: str = ""                                # fairness group (a connection, a user)
+    index: int = 0                                  # which of its request's n completions
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)

@@ -57,6 +57,20 @@ def test_modes_follow_what_the_rows_ask():
     assert graph_mode(batch([0.7], seeded=[(0, 123)])) is None
 
 
+def test_penalties_min_tokens_and_logprobs_sample_on_the_host(llm):
+    """Rows that need logit processing or logprobs leave the graph, and the static engine
+    gives the eager engine's tokens for them."""
+    with_logprobs = batch([0.0, 0.0])
+    with_logprobs.num_logprobs = 2
+    assert graph_mode(with_logprobs) is None
+    params = [SamplingParams(temperature=0, max_tokens=8, frequency_penalty=1.5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=4, logprobs=2),
+              SamplingParams(temperature=0.8, max_tokens=8, repetition_penalty=1.3, ignore_eos=True)]
+    eager, static, graphs = eager_then_static(llm, PROMPTS, params)
+    assert static[:2] == eager[:2] and all(len(ids) == 8 for ids in static)
+    assert graphs.sampler.sampled_inside == 0
+
+
 def test_greedy_steps_sample_inside_and_match_the_eager_engine(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     eager, static, graphs = eager_then_static(llm, PROMPTS, params)

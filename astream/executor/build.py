@@ -36,8 +36,10 @@ def kv_format(config: EngineConfig, decoder: Decoder, tokenizer) -> KVFormat:
 
 
 def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtime: DeviceRuntime,
-                 policy: SparsePolicy, fmt: KVFormat | None = None) -> ModelRunner:
-    """`fmt`: the KV format (`kv_format`); None stores KV in the model's dtype."""
+                 policy: SparsePolicy, fmt: KVFormat | None = None,
+                 eos_ids: frozenset[int] = frozenset()) -> ModelRunner:
+    """`fmt`: the KV format (`kv_format`); None stores KV in the model's dtype. `eos_ids`:
+    what min_tokens holds back besides a request's stop_token_ids."""
     dtype, device, model = decoder.dtype, runtime.device, decoder.config
     fmt = fmt or KVFormat.plain(dtype)
     backends = AttentionBackends.select(device, dtype, model.head_dim)
@@ -48,7 +50,7 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
     parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=policy.bind(layout),
-                 generator=generator, block_size=plan.block_size)
+                 generator=generator, block_size=plan.block_size, eos_ids=eos_ids)
     if config.offload:
         sizes = plan.offload
         offload = OffloadEngine.allocate(

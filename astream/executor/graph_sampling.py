@@ -5,8 +5,9 @@ Each captured batch size has one graph per sampling mode:
 - "temperature": rows sample at their temperature (greedy rows, temperature 0, take the
   argmax), drawing from the engine's generator, which each graph registers so a replay
   advances it as an eager step would.
-A step whose rows need top-k, top-p or a request seed (a generator per row, chosen on the
-host) replays the greedy graph for its hidden states and samples eagerly from them.
+A step whose rows need top-k, top-p, a request seed (a generator per row, chosen on the
+host), penalties, min_tokens or logprobs replays the greedy graph for its hidden states
+and samples eagerly from them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ RunFn = Callable[[int], torch.Tensor]            # static program of `size` rows
 
 def graph_mode(batch: SamplingBatch) -> str | None:
     """The captured mode that samples this batch exactly as `sample` would, or None."""
+    if not batch.plain:
+        return None
     if batch.all_greedy:
         return "greedy"
     if batch.top_k is None and batch.top_p is None and not batch.seeded_rows:

@@ -18,6 +18,7 @@ import torch
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.decode_tables import DecodeTables
 from astream.executor.inputs import StepInputs, build_inputs
+from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
 from astream.executor.offload_graphs import OffloadDecodeGraphs
 from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
@@ -56,6 +57,7 @@ class StepOutput:
     host_ids: torch.Tensor              # [S] int64 on the host, valid once `ready` completes
     ready: Event
     offloaded: list[Event] = field(default_factory=list)   # D2H events of this step's new KV
+    logprobs: StepLogprobs | None = None                    # host copies, valid with host_ids
 
 
 @dataclass(slots=True)
@@ -75,6 +77,7 @@ class ModelRunner:
     offload: OffloadEngine | None = None
     tails: TailSlots | None = None
     decode_tables: DecodeTables = field(default_factory=DecodeTables)   # kept between steps
+    eos_ids: frozenset[int] = frozenset()   # held back, with stop_token_ids, until min_tokens
 
     @property
     def scale(self) -> float:
@@ -93,7 +96,8 @@ class ModelRunner:
             batch = ScheduledBatch(batch.step, live)
         device = self.runtime.device
         inputs = build_inputs(batch, self.block_size, device, self.decode_tables)
-        sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device)
+        sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device,
+                                        self.eos_ids)
         plan = None
         if self.offload is not None:
             layers = range(self.decoder.config.num_layers)
@@ -129,12 +133,19 @@ class ModelRunner:
             hidden = yield from self._offloaded_forward(step)
         else:
             hidden = yield from self._forward(inputs)
+        logprobs = None
         if token_ids is None:
             logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
-            token_ids = sample(logits, step.sampling, self.generator)
+            token_ids = sample(logits, step.sampling, self.generator,
+                               None if previous is None else previous.token_ids)
+            if step.sampling.num_logprobs is not None:
+                found = compute_logprobs(logits, token_ids, step.sampling.num_logprobs)
+                # Queued before the ids' copy: the event that marks the ids marks these too.
+                logprobs = StepLogprobs(*(self.runtime.copy_to_host(t) for t in
+                                          (found.chosen, found.top_values, found.top_ids)))
         host_ids, ready = self.runtime.to_host(token_ids)
         offloaded = self.offload.pending_offloads() if self.offload is not None else []
-        return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded)
+        return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded, logprobs)
 
     def _forward(self, inputs: StepInputs) -> Generator[Event, None, torch.Tensor]:
         attend = PagedAttention(self.cache, inputs.attn, self.backends, self.policy, self.scale)

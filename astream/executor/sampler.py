@@ -1,4 +1,5 @@
-"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched sampling on the device: greedy, temperature, top-k, top-p, per-request seeds,
+after the penalties and min_tokens masks of executor.penalties.
 
 Sampling draws one exponential variate per vocabulary entry and takes
 argmax(p / E): that picks token i with probability p_i, with no host sync and
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from astream.executor.inputs import to_device
+from astream.executor.penalties import LogitsProcessing, build_processing, process_logits
+from astream.sampling import choice_seed
 from astream.scheduler import ScheduledSeq
 
 _MASK64 = (1 << 64) - 1
@@ -26,13 +29,24 @@ class SamplingBatch:
     top_p: torch.Tensor | None          # [S] float32; None if no row uses it
     all_greedy: bool
     seeded_rows: list[tuple[int, int]]  # (row, generator seed) for rows with a request seed
+    processing: LogitsProcessing | None = None   # penalties, min_tokens; None if no row uses them
+    num_logprobs: int | None = None     # most alternatives a row asked for; None if none asked
+
+    @property
+    def plain(self) -> bool:
+        """Nothing but temperature, top-k, top-p and seeds: what a graph may sample."""
+        return self.processing is None and self.num_logprobs is None
 
 
-def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: torch.device) -> SamplingBatch:
+def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: torch.device,
+                         eos_ids: frozenset[int] = frozenset()) -> SamplingBatch:
     rows = [item.seq for item in items if item.sample]
+    processing = build_processing(rows, vocab_size, device, eos_ids)
+    asked = [seq.params.logprobs for seq in rows if seq.params.logprobs is not None]
+    num_logprobs = min(max(asked), vocab_size) if asked else None
     if all(seq.params.greedy for seq in rows):        # the common case: nothing to send
         return SamplingBatch(torch.zeros(len(rows), dtype=torch.float32, device=device),
-                             None, None, True, [])
+                             None, None, True, [], processing, num_logprobs)
     temps, top_k, top_p, seeded = [], [], [], []
     any_top_k = any_top_p = False
     for row, seq in enumerate(rows):
@@ -46,16 +60,20 @@ def build_sampling_batch(items: list[ScheduledSeq], vocab_size: int, device: tor
             any_top_k = any_top_k or k < vocab_size
             any_top_p = any_top_p or params.top_p < 1.0
             if params.seed is not None:
-                seeded.append((row, _mix(params.seed, seq.num_output_tokens)))
+                seeded.append((row, _mix(choice_seed(params.seed, seq.index), seq.num_output_tokens)))
     return SamplingBatch(
         temperatures=to_device(temps, torch.float32, device),
         top_k=to_device(top_k, torch.int64, device) if any_top_k else None,
         top_p=to_device(top_p, torch.float32, device) if any_top_p else None,
-        all_greedy=False, seeded_rows=seeded)
+        all_greedy=False, seeded_rows=seeded, processing=processing, num_logprobs=num_logprobs)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> torch.Tensor:
-    """logits [S, V] float32 -> token ids [S] int64."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator,
+           previous_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [S, V] float32 -> token ids [S] int64. `previous_ids`: the previous step's
+    sampled ids, where penalized rows' newest tokens are still only on the device."""
+    if batch.processing is not None:
+        logits = process_logits(logits, batch.processing, previous_ids)
     greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_ids

@@ -71,12 +71,17 @@ class DeviceRuntime:
         return event
 
     def to_host(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Event]:
-        """Start copying `tensor` to pinned host memory; returns (host tensor, event)."""
+        """Start copying `tensor` to pinned host memory; returns (host tensor, event). The
+        event also marks every copy queued before it by `copy_to_host`."""
+        return self.copy_to_host(tensor), self.record_event()
+
+    def copy_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Start copying `tensor` to pinned host memory, valid once a later event completes."""
         if not self.is_cuda:
-            return tensor, CompletedEvent()
+            return tensor
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         host.copy_(tensor, non_blocking=True)
-        return host, self.record_event()
+        return host
 
     def new_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.Stream(self.device) if self.is_cuda else None

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from astream.metrics import EngineMetrics
-from astream.outputs import Progress, StreamToken
+from astream.outputs import Progress, TokenLogprob
+from astream.request import stream_token
 from astream.stages.output_queue import OutputQueue
 
 log = logging.getLogger("astream.requests")
@@ -33,6 +34,8 @@ class RequestChannel:
     queue: OutputQueue = field(default_factory=OutputQueue)   # read by the request's consumer
     submitted_at: float = field(default_factory=time.perf_counter)
     next_index: int = 0
+    choices: int = 1                     # completions the request makes (its n)
+    choices_ended: int = 0
     tokens_sent: int = 0                 # real tokens (the final marker of an abort is not one)
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -41,13 +44,14 @@ class RequestChannel:
     prompt_tokens: Callable[[], int] = lambda: 0     # counted when the request ends
 
     @classmethod
-    def open(cls, request_id: str, metrics: EngineMetrics | None = None) -> "RequestChannel":
-        return cls(request_id, metrics=metrics)
+    def open(cls, request_id: str, metrics: EngineMetrics | None = None,
+             choices: int = 1) -> "RequestChannel":
+        return cls(request_id, metrics=metrics, choices=choices)
 
     # ---- the RequestSink protocol (called by the core) ------------------------------------
 
     def token(self, token_id: int, text: str, finish_reason: str | None,
-              error: str | None = None) -> bool:
+              error: str | None = None, choice: int = 0, logprob: TokenLogprob | None = None) -> bool:
         now = time.perf_counter()
         if token_id >= 0:
             first = self.first_token_at is None
@@ -56,8 +60,13 @@ class RequestChannel:
             self.first_token_at = self.first_token_at or now
             self.last_token_at = now
             self.tokens_sent += 1
-        item = StreamToken(self.request_id, self.next_index, token_id, text, finish_reason, error)
+        item = stream_token(self.request_id, self.next_index, token_id, text, finish_reason, error,
+                            choice, logprob)
         self.next_index += 1
+        if finish_reason is not None:
+            self.choices_ended += 1
+            if self.choices_ended < self.choices:      # the request goes on with its other choices
+                return self.queue.put(item)
         return self._put(item, finish_reason)
 
     def progress(self, prefilled: int, total: int) -> None:

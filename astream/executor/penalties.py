@@ -1,0 +1,123 @@
+"""Logit processing before sampling: presence, frequency and repetition penalties, and the
+EOS / stop-token mask of min_tokens.
+
+The host sends, once per step and only for the rows that ask, the ids it knows (generated
+tokens, and prompt tokens for a repetition penalty) as (row, token) pairs; the device
+counts them into a [rows, vocab] table. A row's newest token may still be on its way to
+the host: it is read on the device from the previous step's sampled ids, as the step's
+inputs are (executor.inputs), so nothing waits for the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from astream.executor.host_pack import HostPack
+from astream.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Penalties:
+    rows: torch.Tensor                  # [P] int64: the batch rows with a penalty
+    presence: torch.Tensor              # [P] float32
+    frequency: torch.Tensor             # [P] float32
+    repetition: torch.Tensor            # [P] float32 (1: off)
+    generated: torch.Tensor             # [2, N] int64: (penalty row, token id) per known output token
+    prompt: torch.Tensor | None         # [2, M] int64: (penalty row, token id) per prompt token
+    pending_rows: torch.Tensor | None   # [Q] int64: penalty rows whose newest token is on the device
+    pending_src: torch.Tensor | None    # [Q] int64: its row in the previous step's sampled ids
+
+
+@dataclass(slots=True)
+class LogitsProcessing:
+    """What a step does to its logits before sampling; None where no row asks."""
+
+    penalties: Penalties | None
+    banned: torch.Tensor | None         # [2, B] int64: (batch row, token id) set to -inf
+
+
+def build_processing(rows: list[Sequence], vocab_size: int, device: torch.device,
+                     eos_ids: frozenset[int]) -> LogitsProcessing | None:
+    """From the sampled rows' params and known tokens; None when no row needs any."""
+    longs, floats = HostPack(np.int64), HostPack(np.float32)
+    pen_rows, values, generated, prompt, pending_rows, pending_src, banned = [], [], [], [], [], [], []
+    for row, seq in enumerate(rows):
+        params = seq.params
+        if params.penalized:
+            index = len(pen_rows)
+            pen_rows.append(row)
+            values.append((params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
+            generated.append(_pairs(index, seq.output_token_ids))
+            if params.repetition_penalty != 1.0:
+                prompt.append(_pairs(index, seq.prompt_token_ids))
+            if seq.num_pending:
+                pending_rows.append(index)
+                pending_src.append(seq.pending_row)
+        if params.min_tokens and seq.num_output_tokens < params.min_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids)
+            banned.append(_pairs(row, sorted(t for t in stops if t < vocab_size)))
+    if not pen_rows and not banned:
+        return None
+    parts: dict[str, int] = {}
+    if pen_rows:
+        parts["rows"] = longs.add(pen_rows)
+        parts["generated"] = longs.add(np.concatenate(generated, axis=1))
+        if prompt:
+            parts["prompt"] = longs.add(np.concatenate(prompt, axis=1))
+        if pending_rows:
+            parts["pending_rows"], parts["pending_src"] = longs.add(pending_rows), longs.add(pending_src)
+        floats.add(np.array(values, dtype=np.float32).T)
+    if banned:
+        parts["banned"] = longs.add(np.concatenate(banned, axis=1))
+    sent = longs.send(device)
+    get = {name: sent[index] for name, index in parts.items()}.get
+    penalties = None
+    if pen_rows:
+        presence, frequency, repetition = floats.send(device)[0]
+        penalties = Penalties(get("rows"), presence, frequency, repetition, get("generated"),
+                              get("prompt"), get("pending_rows"), get("pending_src"))
+    return LogitsProcessing(penalties, get("banned"))
+
+
+def process_logits(logits: torch.Tensor, processing: LogitsProcessing,
+                   previous_ids: torch.Tensor | None) -> torch.Tensor:
+    """logits [S, V] -> new logits with penalties applied and banned tokens at -inf."""
+    if processing.penalties is not None:
+        logits = apply_penalties(logits, processing.penalties, previous_ids)
+    if processing.banned is not None:
+        logits = logits.index_put((processing.banned[0], processing.banned[1]),
+                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties, previous_ids: torch.Tensor | None) -> torch.Tensor:
+    """Repetition first (prompt and output), then frequency and presence (output only), as
+    vLLM orders them."""
+    counts = torch.zeros(pen.rows.shape[0], logits.shape[1], dtype=logits.dtype, device=logits.device)
+    one = torch.ones((), dtype=logits.dtype, device=logits.device)
+    counts.index_put_((pen.generated[0], pen.generated[1]), one.expand(pen.generated.shape[1]),
+                      accumulate=True)
+    if pen.pending_rows is not None:
+        if previous_ids is None:
+            raise RuntimeError("a penalized row with a pending token needs the previous step's ids")
+        counts.index_put_((pen.pending_rows, previous_ids[pen.pending_src]),
+                          one.expand(pen.pending_rows.shape[0]), accumulate=True)
+    seen = counts > 0
+    repeated = seen
+    if pen.prompt is not None:
+        repeated = seen.index_put((pen.prompt[0], pen.prompt[1]), torch.tensor(True, device=logits.device))
+    rows = logits.index_select(0, pen.rows)
+    rep = pen.repetition.unsqueeze(1)
+    rows = torch.where(repeated, torch.where(rows > 0, rows / rep, rows * rep), rows)
+    rows = rows - pen.frequency.unsqueeze(1) * counts - pen.presence.unsqueeze(1) * seen.to(rows.dtype)
+    return logits.index_copy(0, pen.rows, rows)
+
+
+def _pairs(row: int, token_ids: list[int]) -> np.ndarray:
+    pairs = np.empty((2, len(token_ids)), dtype=np.int64)
+    pairs[0] = row
+    pairs[1] = token_ids
+    return pairs
