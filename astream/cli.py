@@ -261,7 +261,11 @@ def _configs(args: argparse.Namespace) -> tuple:
         raise ValueError(str(exc)) from None
     if args.run is _serve:
         return engine, ServerOptions(**_pick(args, ServerOptions))
-    return engine, SamplingParams(**_pick(args, SamplingParams))
+    params = SamplingParams(**_pick(args, SamplingParams))
+    if getattr(params, "n", 1) > 1:
+        raise ValueError("n: a terminal shows one completion; ask the server or the Python API "
+                         "for several")
+    return engine, params
 
 
 def _pick(args: argparse.Namespace, cls: type, skip: set[str] = frozenset()) -> dict:

@@ -161,6 +161,7 @@ def test_help_mentions_raw_chat_default_and_settings(capsys):
     (["generate", "--kv-cache-scale", "2", "hi"], {},
      "argument --kv-cache-scale: applies to an fp8 --kv-cache-dtype only"),
     (["serve", "--port", "70000"], {}, "argument --port: must be in [0, 65535], got 70000"),
+    (["generate", "--n", "2", "hi"], {}, "argument --n: a terminal shows one completion"),
     (["generate", "hi"], {"ASTREAM_MAX_TOKENS": "0"}, "$ASTREAM_MAX_TOKENS: must be an integer >= 1"),
     (["generate", "hi"], {"ASTREAM_TOP_K": "many"}, "$ASTREAM_TOP_K: expected an integer, got 'many'"),
 ])
