@@ -130,6 +130,8 @@ class EngineCore:
             self.reject(request, exc)
             return
         request.seq, request.text = seq, text
+        # Its length is known and it fits: servers answer (or refuse) from this first item.
+        request.sink.progress(0, seq.num_prompt_tokens)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     client: str = "") -> ListSink:
