@@ -140,6 +140,8 @@ class EngineCore:
         request.forks = [choice.seq for choice in choices[1:]]
         if not self.scheduler.blocks.enable_prefix_caching:
             self._release_forks(request)                    # nothing to share: no reason to wait
+        # Its length is known and it fits: servers answer (or refuse) from this first item.
+        request.sink.progress(0, choices[0].seq.num_prompt_tokens)
 
     def _release_forks(self, request: Request) -> None:
         """The prompt's KV is written (or will not be shared): the other choices may start."""

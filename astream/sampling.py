@@ -76,9 +76,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", str))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids", None))
-        _check(_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0,
+        _check(_is_finite(self.temperature) and self.temperature >= 0,
                f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        _check(_is_number(self.top_p) and math.isfinite(self.top_p) and 0 < self.top_p <= 1,
+        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1,
                f"top_p must be a number in (0, 1], got {self.top_p!r}")
         _check(_is_int(self.top_k) and 0 <= self.top_k <= MAX_INT64,
                f"top_k must be an integer >= 0 and < 2^63 (0 disables it), got {short_repr(self.top_k)}")
@@ -152,6 +152,14 @@ def _as_tuple(value: object, name: str, item_type: type | None) -> tuple:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_finite(x: object) -> bool:
+    """A number a float can hold (an integer of 400 digits cannot)."""
+    try:
+        return _is_number(x) and math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _is_int(x: object) -> bool:

@@ -30,7 +30,8 @@ async def health(port: int) -> dict:
 
 async def http_get(port: int, path: str, headers: str = "") -> tuple[int, str, str]:
     """A plain HTTP GET on the server's port: (status, head, body), read until it closes."""
-    return await http_exchange(port, f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{headers}\r\n".encode())
+    return await http_exchange(port, f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n"
+                                     f"{headers}\r\n".encode())
 
 
 async def http_exchange(port: int, request: bytes) -> tuple[int, str, str]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import anyio
+import anyio.abc
 import pytest
 from websockets.asyncio.client import connect
 
@@ -123,3 +126,41 @@ async def test_a_client_holding_every_slot_unread_cannot_starve_another():
             await wire.first_token("b")
             assert (await health(srv.port))["steps"] - before <= 6
 
+
+
+@pytest.mark.anyio
+async def test_over_http_each_machine_is_one_client():
+    """Eight streams from one address hold every slot and more wait; a request from another
+    address (127.0.0.2) still gets its first token within a few steps."""
+    body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "Story:", "max_tokens": 300,
+                       "ignore_eos": True, "stream": True}).encode()
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    async def first_chunk(port: int, local_host: str) -> anyio.abc.SocketStream:
+        sock = await anyio.connect_tcp("127.0.0.1", port, local_host=local_host)
+        await sock.send(request)
+        seen = b""
+        while b"data: {" not in seen:
+            seen += await sock.receive()
+        return sock
+
+    async with serving({"max_num_seqs": 2}, max_tokens_cap=300) as srv:
+        async with anyio.create_task_group() as group:
+            hogs = []
+
+            async def hog() -> None:
+                sock = await anyio.connect_tcp("127.0.0.1", srv.port, local_host="127.0.0.1")
+                hogs.append(sock)
+                await sock.send(request)
+
+            for _ in range(8):
+                group.start_soon(hog)
+        with anyio.fail_after(60):
+            while (await health(srv.port))["waiting"] < 6:
+                await anyio.sleep(0.05)
+        before = (await health(srv.port))["steps"]
+        with anyio.fail_after(30):
+            bystander = await first_chunk(srv.port, "127.0.0.2")
+        assert (await health(srv.port))["steps"] - before <= 6
+        for sock in [bystander, *hogs]:
+            await sock.aclose()

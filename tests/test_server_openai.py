@@ -101,17 +101,17 @@ async def test_errors_have_openais_shape_and_status():
         port = srv.port
         cases = [
             ("POST", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-            ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+            ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+            ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": 1}}, 400,
+             "logit_bias"),
             ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400,
              "max_tokens"),
             ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400,
              "temperature"),
             ("POST", "/v1/chat/completions", {"model": MODEL, "messages": [], "stream": True}, 400,
              "messages"),
-            ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True},
-             400, "logprobs"),
-            ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "frobnicate": 1}, 400,
-             "frobnicate"),
+            ("POST", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "logprobs": True,
+                                              "top_logprobs": 21}, 400, "top_logprobs"),
             ("GET", "/v1/completions", None, 405, None),
             ("POST", "/v1/embeddings", {"input": "x"}, 404, None),
         ]

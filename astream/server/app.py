@@ -1,38 +1,53 @@
-"""StreamServer: one running Engine served on one port, over websockets (astream-ws/1) and
-the OpenAI HTTP API, with a graceful shutdown.
+"""StreamServer: one running Engine served on one port by uvicorn, as one ASGI application
+(Starlette): astream-ws/1 websockets, the OpenAI HTTP API under /v1, /health and /metrics,
+with a graceful shutdown.
 
     async with Engine(...) as engine, StreamServer(engine, ServerOptions(port=0)) as server:
         print(server.url)
         ...                              # serve until told to stop
         await server.shutdown()          # drain, then abort what is left, then close 1001
 
-Runs on asyncio (uvloop included): websockets' server is asyncio-only. If the engine
-stops after an internal fault, the server keeps running: /health answers 503 with
-status "engine_stopped", and every new request gets an `engine_error` frame.
+Runs on asyncio (uvloop included): uvicorn is asyncio-only. If the engine stops after
+an internal fault, the server keeps running: /health answers 503 with status
+"engine_stopped", and every new request gets an `engine_error` frame or a 503.
 """
 
 from __future__ import annotations
 
 import itertools
+import socket
+from http import HTTPStatus
 
 import anyio
-from websockets.asyncio.server import Server, ServerConnection, unix_serve
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
 
 from astream.engine import Engine
-from astream.server.front import HttpFront
-from astream.server.http import make_process_request
-from astream.server.openai_routes import OpenAIRoutes
+from astream.server.guard import Refusal, refusal
+from astream.server.http import JSON
+from astream.server.listen import CLOSE_GRACE_S, bind, start
+from astream.server.metrics import METRICS_CONTENT_TYPE, METRICS_PATH, metrics_registry, render
+from astream.server.openai_routes import OpenAIRoutes, error_response
+from astream.server.openai_schema import ApiError
 from astream.server.options import ServerOptions
 from astream.server.session import Session
 from astream.server.state import ServerState
 
+HEALTH_PATH = "/health"
 _ABORT_GRACE_S = 5.0        # after aborting, time for relays to send their "abort" done frames
-_TRY_AGAIN_LATER = 1013     # websocket close code for a server at its connection limit
 DEFAULT_SERVED_MODEL = "SmolLM2-135M-Instruct"     # the embedded model's id on /v1/models
 
 
 class StreamServer:
-    def __init__(self, engine: Engine, options: ServerOptions | None = None) -> None:
+    def __init__(self, engine: Engine, options: ServerOptions | None = None,
+                 sock: socket.socket | None = None) -> None:
+        """`sock`: a listening socket from `listen.bind` (the CLI binds before loading the
+        model); by default one is bound on options.host and options.port on entry."""
         self.engine = engine
         self.options = options or ServerOptions()
         self.state = ServerState(engine, self.options,
@@ -42,20 +57,25 @@ class StreamServer:
         self._hurry: anyio.Event | None = None
         self.openai = OpenAIRoutes(self.state, self.options.served_model_name
                                    or engine.config.model or DEFAULT_SERVED_MODEL)
-        self._front = HttpFront(self.openai)
-        self._ws: Server | None = None
+        self._registry = metrics_registry(self.state)
+        self.app = Starlette(routes=[
+            Route(HEALTH_PATH, self._health, methods=["GET"]),
+            Route(METRICS_PATH, self._metrics, methods=["GET"]),
+            *self.openai.routes(),
+            WebSocketRoute("/{path:path}", self._websocket),
+        ], exception_handlers={HTTPException: _http_error})
+        self._sock = sock
+        self._uvicorn: uvicorn.Server | None = None
         self._port = 0
 
     async def __aenter__(self) -> "StreamServer":
         self._hurry = anyio.Event()
-        self._ws = await unix_serve(self._handle, self._front.backend_path,
-                                    process_request=make_process_request(self.state),
-                                    max_size=self.options.max_frame_bytes, compression=None)
+        sock = self._sock or bind(self.options.host, self.options.port)
+        self._port = sock.getsockname()[1]
         try:
-            self._port = await self._front.start(self.options.host, self.options.port)
+            self._uvicorn = await start(self.app, self.options, sock)
         except BaseException:
-            self._ws.close()
-            await self._ws.wait_closed()
+            sock.close()
             raise
         return self
 
@@ -81,10 +101,28 @@ class StreamServer:
     def health(self) -> dict:
         return self.state.health()
 
-    async def _handle(self, ws: ServerConnection) -> None:
-        if self.state.connections >= self.options.max_connections:   # raced past the handshake check
-            await ws.close(_TRY_AGAIN_LATER, "too many connections")
+    # ---- routes -------------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> Response:
+        health = self.state.health()
+        return JSON(health, status_code=200 if health["status"] == "ok" else 503)
+
+    async def _metrics(self, request: Request) -> Response:
+        refused = refusal(request.headers, self.options, check_origin=False)
+        if refused is not None:
+            return PlainTextResponse(refused.message + "\n", refused.status, refused.headers)
+        return Response(render(self._registry), media_type=METRICS_CONTENT_TYPE)
+
+    async def _websocket(self, ws: WebSocket) -> None:
+        """The handshake's checks answer with an HTTP status before any websocket opens."""
+        refused = refusal(ws.headers, self.options)
+        if refused is None and self.state.connections >= self.options.max_connections:
+            refused = Refusal(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; try again later")
+        if refused is not None:
+            await ws.send_denial_response(PlainTextResponse(refused.message + "\n", refused.status,
+                                                            refused.headers))
             return
+        await ws.accept()
         session = Session(ws, self.state, next(self._serials))
         self._sessions.add(session)
         self.state.connections += 1
@@ -104,12 +142,12 @@ class StreamServer:
     async def shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting, let live requests finish for `timeout` seconds (default: the
         server's shutdown_timeout), abort the rest, then close every connection with 1001."""
-        if self._ws is None:
+        if self._uvicorn is None:
             return
-        ws, self._ws = self._ws, None
+        server, self._uvicorn = self._uvicorn, None
         self.state.closing = True
-        self._front.stop_listening()           # open connections keep going
-        ws.server.close()
+        for listener in server.servers:          # open connections keep going
+            listener.close()
         with anyio.move_on_after(self.options.shutdown_timeout if timeout is None else timeout):
             await self._wait_idle_or_hurry()
         for session in list(self._sessions):
@@ -117,9 +155,12 @@ class StreamServer:
         await self.openai.abort_all()
         with anyio.move_on_after(_ABORT_GRACE_S):
             await self.state.idle.wait()
-        ws.close()                             # code 1001, going away
-        await ws.wait_closed()
-        await self._front.close()
+        async with anyio.create_task_group() as closing:
+            for session in list(self._sessions):
+                closing.start_soon(session.close, CLOSE_GRACE_S)
+        await server.shutdown()                  # bounded by its timeout_graceful_shutdown
+        for connection in list(server.server_state.connections):
+            connection.transport.abort()         # outlived the grace period: dropped
 
     async def _wait_idle_or_hurry(self) -> None:
         async with anyio.create_task_group() as group:
@@ -129,3 +170,14 @@ class StreamServer:
 
             group.start_soon(wait, self.state.idle)
             group.start_soon(wait, self._hurry)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in the shape of their path."""
+    if request.url.path.startswith("/v1/"):
+        message = {404: f"no route {request.url.path}; astream serves /v1/models, "
+                        "/v1/completions, /v1/chat/completions",
+                   405: f"{request.url.path} does not take {request.method}"}.get(
+                       exc.status_code, exc.detail)
+        return error_response(ApiError(HTTPStatus(exc.status_code), message))
+    return PlainTextResponse(f"{exc.detail}\n", exc.status_code, exc.headers)

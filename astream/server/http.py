@@ -1,100 +1,89 @@
-"""Plain HTTP on the websocket port: GET /health, GET /metrics, and the checks of every
-handshake.
+"""HTTP pieces the routes share, on top of Starlette: request bodies read within limits,
+JSON that is always valid UTF-8, and responses that end when their client leaves.
 
-/health answers anyone (a load balancer's probe). /metrics (Prometheus text format) asks
-for the API key when one is set, as a websocket handshake does.
-
-A handshake is refused with an HTTP status before any websocket opens: 400 for a
-request with two Authorization or Origin headers, 503 when the server holds
-`max_connections` already, 403 for a browser Origin that is not allowed (only
-checked when no API key is set: with a key, the key is the guard), 401 without the key.
+uvicorn parses the wire (heads, Content-Length and chunked bodies, keep-alive,
+`Connection: close`, HTTP/1.0, pipelining with flow control); what is left here is
+policy: how much a body may hold and how long a client may take to send it.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from http import HTTPStatus
 from typing import Awaitable, Callable
 
-from websockets.asyncio.server import ServerConnection
-from websockets.http11 import Request, Response
-
-from astream.server.metrics import METRICS_CONTENT_TYPE, METRICS_PATH, metrics_registry, render
-from astream.server.state import ServerState
-
-HEALTH_PATH = "/health"
-
-ProcessRequest = Callable[[ServerConnection, Request], Awaitable[Response | None]]
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 
-def make_process_request(state: ServerState) -> ProcessRequest:
-    """websockets' process_request hook: answer /health, then guard the handshake."""
+class BodyError(Exception):
+    """A body that is not read: too large, too slow, or cut off."""
 
-    registry = metrics_registry(state)
-
-    async def process_request(connection: ServerConnection, request: Request) -> Response | None:
-        path = request.path.partition("?")[0]
-        if path == HEALTH_PATH:
-            health = state.health()
-            status = HTTPStatus.OK if health["status"] == "ok" else HTTPStatus.SERVICE_UNAVAILABLE
-            return json_response(connection, status, health)
-        if path == METRICS_PATH:
-            return _unauthorized(connection, request, state) or _metrics_response(connection, registry)
-        return refusal(connection, request, state)
-
-    return process_request
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
-def refusal(connection: ServerConnection, request: Request, state: ServerState) -> Response | None:
-    """The response refusing this handshake, or None to let it through."""
-    options = state.options
-    authorization = request.headers.get_all("Authorization")
-    origins = request.headers.get_all("Origin")
-    if len(authorization) > 1 or len(origins) > 1:
-        return connection.respond(HTTPStatus.BAD_REQUEST, "send at most one Authorization and one "
-                                  "Origin header\n")
-    if state.connections >= options.max_connections:
-        return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "too many connections; try again "
-                                  "later\n")
-    if options.api_key is None:
-        if origins and origins[0] not in options.allowed_origins:
-            return connection.respond(HTTPStatus.FORBIDDEN, "websocket connections from this "
-                                      "Origin are not allowed (see --allowed-origin)\n")
-        return None
-    return _unauthorized(connection, request, state)
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The whole body, refused (413) past `limit` bytes, before reading any when the
+    Content-Length says so, and refused (408) when it takes longer than `timeout`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                        f"request body of {declared} bytes is above this server's {limit}")
+    body = bytearray()
+    with anyio.move_on_after(timeout) as waited:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise BodyError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                                f"request body is above this server's {limit} bytes")
+    if waited.cancelled_caught:
+        raise BodyError(HTTPStatus.REQUEST_TIMEOUT, f"the request body took more than {timeout:g} s")
+    return bytes(body)
 
 
-def _unauthorized(connection: ServerConnection, request: Request, state: ServerState) -> Response | None:
-    """401 when an API key is set and the request does not carry it (exactly once)."""
-    api_key = state.options.api_key
-    if api_key is None:
-        return None
-    authorization = request.headers.get_all("Authorization")
-    if len(authorization) == 1 and authorized(authorization[0], api_key):
-        return None
-    response = connection.respond(HTTPStatus.UNAUTHORIZED,
-                                  "missing or wrong API key: send 'Authorization: Bearer KEY'\n")
-    response.headers["WWW-Authenticate"] = 'Bearer realm="astream"'
-    return response
+def json_text(payload: dict) -> str:
+    """JSON that is always valid UTF-8 (a lone surrogate is escaped, not sent raw)."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(payload, separators=(",", ":"))
+    return text
 
 
-def _metrics_response(connection: ServerConnection, registry) -> Response:
-    response = connection.respond(HTTPStatus.OK, render(registry).decode())
-    del response.headers["Content-Type"]
-    response.headers["Content-Type"] = METRICS_CONTENT_TYPE
-    return response
+class JSON(Response):
+    media_type = "application/json"
+
+    def render(self, content: dict) -> bytes:
+        return json_text(content).encode("utf-8")
 
 
-def json_response(connection: ServerConnection, status: HTTPStatus, body: dict) -> Response:
-    response = connection.respond(status, json.dumps(body) + "\n")
-    del response.headers["Content-Type"]
-    response.headers["Content-Type"] = "application/json"
-    return response
+Produce = Callable[[Send], Awaitable[None]]
 
 
-def authorized(header: str | None, api_key: str) -> bool:
-    scheme, _, token = (header or "").partition(" ")
-    # compare_digest: the time taken must not reveal how much of the key matched.
-    offered = token.strip().encode("utf-8", "surrogateescape")
-    return scheme.lower() == "bearer" and hmac.compare_digest(offered, api_key.encode())
+class WhileConnected(Response):
+    """A response written by `produce(send)`, which is cancelled as soon as the client
+    disconnects: a request whose client left stops at once, not at its next write."""
+
+    def __init__(self, produce: Produce) -> None:
+        self.produce = produce
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                await self.produce(send)
+            except OSError:                    # the client went away mid-write
+                pass
+            group.cancel_scope.cancel()

@@ -1,33 +1,42 @@
 """The OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions, streamed as
 server-sent events or answered whole.
 
-The same rules as a websocket handshake guard every route (one Authorization and one
-Origin header; the API key when one is set; otherwise no browser Origin that is not
-allowed), and the same limits hold: max_tokens_cap, the frame size as the body size, no
-new requests while draining. A client that goes away mid-request aborts it, which frees
-its KV, exactly like a websocket disconnect.
+The same rules as a websocket handshake guard every route, checked from the headers
+before the body is read (one Authorization and one Origin header; the API key when one
+is set; otherwise no browser Origin that is not allowed), and the same limits hold:
+max_tokens_cap, the frame size as the body size, no new requests while draining. A
+request is answered only once the engine has its prompt's length, so a prompt that does
+not fit (alone, or with its max_tokens) gets a 400, never a stream cut short. A client
+that goes away mid-request aborts it, which frees its KV, exactly like a websocket
+disconnect.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from contextlib import AsyncExitStack
 from http import HTTPStatus
 
 import anyio
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Send
 
-from astream.errors import EngineClosedError, PromptTooLongError
+from astream.errors import EngineClosedError
 from astream.outputs import Progress, StreamToken
 from astream.request_stream import RequestStream
-from astream.server.http import authorized
-from astream.server.http11 import HttpConnection, HttpError, RequestHead, json_text
+from astream.server.guard import http_client, refusal
+from astream.server.http import JSON, BodyError, WhileConnected, json_text, read_body
 from astream.server.openai_schema import (
     ApiError, ApiRequest, ResponseShape, models_list, parse_request, usage,
 )
-from astream.server.state import ServerState
+from astream.server.state import ServerState, admitted
 
+log = logging.getLogger("astream.server")
 ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}     # path -> chat
-_CLOSE = (("Connection", "close"),)
 
 
 class OpenAIRoutes:
@@ -38,144 +47,187 @@ class OpenAIRoutes:
         self.live: set[str] = set()             # engine ids of the requests running here
         self._numbers = itertools.count(1)
 
-    async def handle(self, conn: HttpConnection, head: RequestHead) -> bool:
-        """Answer one request; False when the connection must close after it (an error can
-        leave an unread body behind)."""
-        try:
-            # The body first, whatever the answer: one left unread would reset the connection
-            # under the response.
-            limit = self.state.options.max_frame_bytes
-            body = await conn.read_body(head, limit) if head.method == "POST" or \
-                head.get("content-length") is not None else b""
-            self._guard(head)
-            if head.path == "/v1/models":
-                _expect(head, "GET")
-                await conn.send_json(HTTPStatus.OK, models_list(self.served_model, self.created))
-                return True
-            chat = ROUTES.get(head.path)
-            if chat is None:
-                raise ApiError(HTTPStatus.NOT_FOUND, f"no route {head.path}; astream serves "
-                               f"/v1/models, {', '.join(ROUTES)}")
-            _expect(head, "POST")
-            request = parse_request(body, chat, self.served_model, self.state.options.max_tokens_cap)
-            await self._run(conn, request)
-            return True
-        except HttpError as exc:
-            await conn.send_json(exc.status, ApiError(exc.status, exc.message).body(), _CLOSE)
-        except ApiError as exc:
-            headers = _CLOSE + ((("WWW-Authenticate", 'Bearer realm="astream"'),)
-                                if exc.status == HTTPStatus.UNAUTHORIZED else ())
-            await conn.send_json(exc.status, exc.body(), headers)
-        return False
+    def routes(self) -> list[Route]:
+        return [Route("/v1/models", self.models, methods=["GET"]),
+                *(Route(path, self.completions, methods=["POST"]) for path in ROUTES)]
 
     async def abort_all(self) -> None:
         for engine_id in list(self.live):
             await self.state.engine.abort(engine_id)
 
-    def _guard(self, head: RequestHead) -> None:
-        options = self.state.options
-        authorization, origins = head.get_all("authorization"), head.get_all("origin")
-        if len(authorization) > 1 or len(origins) > 1:
-            raise ApiError(HTTPStatus.BAD_REQUEST, "send at most one Authorization and one Origin "
-                           "header")
-        if options.api_key is not None:
-            if len(authorization) != 1 or not authorized(authorization[0], options.api_key):
-                raise ApiError(HTTPStatus.UNAUTHORIZED, "missing or wrong API key: send "
-                               "'Authorization: Bearer KEY'", code="invalid_api_key")
-        elif origins and origins[0] not in options.allowed_origins:
-            raise ApiError(HTTPStatus.FORBIDDEN, "requests from this Origin are not allowed (see "
-                           "--allowed-origin)")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._guard(request)
+        except ApiError as exc:
+            return error_response(exc)
+        return JSON(models_list(self.served_model, self.created, self.state.max_model_len))
 
-    async def _run(self, conn: HttpConnection, request: ApiRequest) -> None:
+    async def completions(self, request: Request) -> Response:
+        try:
+            self._guard(request)
+            api = await self._parse(request)
+            return await self._start(request, api)
+        except ApiError as exc:
+            return error_response(exc)
+
+    def _guard(self, request: Request) -> None:
+        refused = refusal(request.headers, self.state.options)
+        if refused is not None:
+            raise ApiError(refused.status, refused.message, code=refused.code)
+
+    async def _parse(self, request: Request) -> ApiRequest:
         state = self.state
         if state.closing:
             raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
-        if len(self.live) >= state.options.max_connections:
+        if len(self.live) >= state.options.max_http_requests:
             raise ApiError(HTTPStatus.TOO_MANY_REQUESTS, f"{len(self.live)} HTTP requests are "
-                           "running, this server's limit (max_connections); try again later")
-        engine_id = f"http{next(self._numbers)}"
+                           "running, this server's limit (--max-http-requests); try again later")
         try:
-            stream = await state.engine.request(request.prompt, request.params, engine_id,
-                                                progress=True, client=engine_id)
-        except EngineClosedError as exc:
-            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from None
-        except PromptTooLongError as exc:
-            raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), "prompt", "context_length_exceeded") from None
-        self.live.add(engine_id)
-        state.request_started()
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(_cancel_when_gone, conn, group.cancel_scope)
-                async with stream:                   # leaving early aborts the request
-                    if request.stream:
-                        await _send_events(conn, request, stream, state.options.progress_interval)
-                    else:
-                        await _send_whole(conn, request, stream)
-                group.cancel_scope.cancel()
-        finally:
-            self.live.discard(engine_id)
-            state.request_ended()
+            body = await read_body(request, state.options.max_frame_bytes,
+                                   state.options.request_timeout)
+        except BodyError as exc:
+            raise ApiError(exc.status, exc.message) from None
+        api = parse_request(body, ROUTES[request.url.path], self.served_model,
+                            state.options.max_tokens_cap)
+        if api.ignored:
+            log.warning("ignored unknown field(s) of a %s request: %s", request.url.path,
+                        ", ".join(api.ignored)[:200])
+        return api
+
+    async def _start(self, request: Request, api: ApiRequest) -> Response:
+        """Submit, wait until the engine knows the prompt's length, then respond. Until the
+        response takes over the stream, any failure here aborts the request."""
+        state, engine_id = self.state, f"http{next(self._numbers)}"
+        async with AsyncExitStack() as cleanup:
+            try:
+                stream = await state.engine.request(api.prompt, api.params, engine_id,
+                                                    progress=True, client=http_client(request.client))
+            except EngineClosedError as exc:
+                raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from None
+            except ValueError as exc:                       # too large before tokenization
+                raise _prompt_error(exc) from None
+            cleanup.push_async_callback(stream.aclose)
+            self.live.add(engine_id)
+            state.request_started()
+            cleanup.callback(self._ended, engine_id)
+            try:
+                first = await admitted(stream)
+            except ValueError as exc:                       # refused after tokenization
+                raise _prompt_error(exc) from None
+            overflow = isinstance(first, Progress) and \
+                state.context_overflow(stream.prompt_tokens, api.params.max_tokens)
+            if overflow:
+                raise ApiError(HTTPStatus.BAD_REQUEST, overflow, "messages" if api.chat else "prompt",
+                               "context_length_exceeded")
+            produce = _events(api, stream, first, state.options.progress_interval) if api.stream \
+                else _whole(api, stream, first)
+            handed = cleanup.pop_all()                      # the response owns the request now
+
+        async def respond(send: Send) -> None:
+            async with handed:
+                await produce(send)
+
+        return WhileConnected(respond)
+
+    def _ended(self, engine_id: str) -> None:
+        self.live.discard(engine_id)
+        self.state.request_ended()
 
 
-async def _cancel_when_gone(conn: HttpConnection, scope: anyio.CancelScope) -> None:
-    await conn.watch()
-    scope.cancel()
+def error_response(exc: ApiError) -> Response:
+    headers = {"WWW-Authenticate": 'Bearer realm="astream"'} \
+        if exc.status == HTTPStatus.UNAUTHORIZED else None
+    return JSON(exc.body(), status_code=exc.status, headers=headers)
 
 
-async def _send_whole(conn: HttpConnection, request: ApiRequest, stream: RequestStream) -> None:
-    pieces, last = [], None
-    async for item in stream:
-        if isinstance(item, StreamToken):
-            pieces.append(item.text)
-            last = item
-            if item.finish_reason is not None:
-                break
-    if last is None or last.finish_reason in ("error", "abort"):
-        raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR if last and last.finish_reason == "error"
-                       else HTTPStatus.SERVICE_UNAVAILABLE,
-                       (last.error if last else None) or "the request was aborted")
-    body = ResponseShape(request).whole("".join(pieces), last.finish_reason,
-                                        usage(stream.prompt_tokens, stream.completion_tokens))
-    await conn.send_json(HTTPStatus.OK, body)
+def _prompt_error(exc: ValueError) -> ApiError:
+    from astream.errors import PromptTooLongError
+
+    if isinstance(exc, PromptTooLongError):
+        return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "prompt", "context_length_exceeded")
+    return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "prompt", "invalid_prompt")
 
 
-async def _send_events(conn: HttpConnection, request: ApiRequest, stream: RequestStream,
-                       interval: float) -> None:
+def _whole(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress):
+    async def produce(send: Send) -> None:
+        pieces, last = [], None
+        async for item in _items(first, stream):
+            if isinstance(item, StreamToken):
+                pieces.append(item.text)
+                last = item
+                if item.finish_reason is not None:
+                    break
+        if last is None or last.finish_reason in ("error", "abort"):
+            failed = last is not None and last.finish_reason == "error"
+            error = ApiError(HTTPStatus.INTERNAL_SERVER_ERROR if failed else
+                             HTTPStatus.SERVICE_UNAVAILABLE,
+                             (last.error if last else None) or "the request was aborted")
+            await _send_json(send, error.status, error.body())
+            return
+        shape = ResponseShape(api)
+        body = shape.whole([shape.choice(0, "".join(pieces), last.finish_reason, None)],
+                           usage(stream.prompt_tokens, stream.completion_tokens))
+        await _send_json(send, HTTPStatus.OK, body)
+
+    return produce
+
+
+def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress, interval: float):
     """Chunks as tokens come; until the first, an SSE comment with the prefill's progress at
     least every `interval` seconds (clients skip comments; proxies see a live stream)."""
-    shape, lock = ResponseShape(request), anyio.Lock()
-    progress = {"prefilled": 0, "total": 0, "started": False}
+    async def produce(send: Send) -> None:
+        shape, lock = ResponseShape(api), anyio.Lock()
+        progress = {"prefilled": 0, "total": stream.prompt_tokens, "started": False}
 
-    async def send(text: str) -> None:
-        async with lock:
-            await conn.send_event(text)
+        async def event(text: str, more: bool = True) -> None:
+            async with lock:
+                await send({"type": "http.response.body", "body": text.encode("utf-8"),
+                            "more_body": more})
 
-    async def keepalive() -> None:
-        while not progress["started"]:
-            await anyio.sleep(interval)
-            if not progress["started"]:
-                await send(_comment(progress))
+        async def keepalive() -> None:
+            while not progress["started"]:
+                await anyio.sleep(interval)
+                if not progress["started"]:
+                    await event(_comment(progress))
 
-    await conn.start_events()
-    if request.chat:
-        await send(_data(shape.chunk("", first=True)))
-    async with anyio.create_task_group() as group:
-        group.start_soon(keepalive)
-        async for item in stream:
-            if isinstance(item, Progress):
-                progress.update(prefilled=item.prefilled, total=item.total)
-                await send(_comment(progress))
-                continue
-            progress["started"] = True
-            if item.text:
-                await send(_data(shape.chunk(item.text)))
-            if item.finish_reason is not None:
-                await send(_final(shape, item, stream))
-                break
-        group.cancel_scope.cancel()
-    await send("data: [DONE]\n\n")
-    async with lock:
-        await conn.end_events()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
+                                (b"cache-control", b"no-cache")]})
+        if api.chat:
+            await event(_data(shape.chunk(0, "", first=True)))
+        async with anyio.create_task_group() as group:
+            group.start_soon(keepalive)
+            async for item in _items(first, stream):
+                if isinstance(item, Progress):
+                    progress.update(prefilled=item.prefilled, total=item.total)
+                    await event(_comment(progress))
+                    continue
+                progress["started"] = True
+                if item.text:
+                    await event(_data(shape.chunk(0, item.text)))
+                if item.finish_reason is not None:
+                    await event(_final(shape, item, stream))
+                    break
+            group.cancel_scope.cancel()
+        await event("data: [DONE]\n\n", more=False)
+
+    return produce
+
+
+async def _items(first: StreamToken | Progress, stream: RequestStream):
+    yield first
+    if isinstance(first, StreamToken) and first.finish_reason is not None:
+        return
+    async for item in stream:
+        yield item
+
+
+async def _send_json(send: Send, status: HTTPStatus, payload: dict) -> None:
+    body = json_text(payload).encode("utf-8")
+    await send({"type": "http.response.start", "status": int(status),
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _final(shape: ResponseShape, item: StreamToken, stream: RequestStream) -> str:
@@ -183,7 +235,7 @@ def _final(shape: ResponseShape, item: StreamToken, stream: RequestStream) -> st
         status = HTTPStatus.INTERNAL_SERVER_ERROR if item.finish_reason == "error" else \
             HTTPStatus.SERVICE_UNAVAILABLE
         return _data(ApiError(status, item.error or "the request was aborted").body())
-    text = _data(shape.chunk(None, item.finish_reason))
+    text = _data(shape.chunk(0, None, item.finish_reason))
     if shape.request.include_usage:
         text += _data(shape.usage_chunk(usage(stream.prompt_tokens, stream.completion_tokens)))
     return text
@@ -195,8 +247,3 @@ def _data(payload: dict) -> str:
 
 def _comment(progress: dict) -> str:
     return f": prefill {json_text({'prefilled': progress['prefilled'], 'total': progress['total']})}\n\n"
-
-
-def _expect(head: RequestHead, method: str) -> None:
-    if head.method != method:
-        raise ApiError(HTTPStatus.METHOD_NOT_ALLOWED, f"{head.path} takes {method}, not {head.method}")

@@ -1,38 +1,35 @@
-"""The OpenAI HTTP API's requests parsed and checked, and its responses and stream chunks
-built. Pure: no sockets, no engine. docs/PROTOCOL.md lists what is supported.
+"""The OpenAI HTTP API's requests as pydantic models, and its responses and stream chunks.
+Pure: no sockets, no engine. docs/PROTOCOL.md lists what is supported.
 
-Fields OpenAI defines but astream cannot honour are accepted only at their neutral value
-(n=1, no logprobs, no penalties, no tools, ...); any other value is a 400 naming the field,
-never silently ignored. An unknown field is a 400 too. `top_k`, `ignore_eos` and
-`stop_token_ids` are extensions, as in other engines.
+Field names and defaults follow OpenAI's API reference (and vLLM's extensions `top_k`,
+`min_tokens`, `repetition_penalty`, `ignore_eos`, `stop_token_ids`). A field this server
+does not know is accepted and ignored, with a warning in the log, as vLLM does; a field it
+knows but cannot honour (`logit_bias`, `tools`, `echo`, ...) passes only at the value that
+asks for nothing, and is otherwise a 400 naming it, never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from astream.sampling import SamplingParams
 from astream.tokenization import Prompt
 from astream.validation import is_unicode, short_repr
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
-_SAMPLING = ("temperature", "top_p", "top_k", "seed", "ignore_eos", "stop_token_ids")
-_COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "stop", "n", "user",
-                     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", *_SAMPLING})
-_COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
-                          "tools", "tool_choice", "parallel_tool_calls"}
-# A field astream does not implement passes only at a value that asks for nothing.
-_NEUTRAL = {"n": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-            "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
-            "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
-            "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"})}
-_ROLES = ("system", "developer", "user", "assistant")
+MAX_LOGPROBS = 20                            # OpenAI's limit for top_logprobs
+MAX_N = 16
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class ApiError(Exception):
@@ -44,12 +41,107 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                503: "service_unavailable"}.get(self.status.value, "invalid_request_error")
+        kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error", 503: "service_unavailable"}.get(
+                    self.status.value, "invalid_request_error")
         if self.status >= 500 and self.status != HTTPStatus.SERVICE_UNAVAILABLE:
             kind = "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code}}
+
+
+# ---- requests ----------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")            # name, tool_call_id, ...: not used
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_TextPart]
+
+    def plain(self) -> dict:
+        text = self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class _Common(BaseModel):
+    """What both routes take."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    presence_penalty: Finite = 0.0
+    frequency_penalty: Finite = 0.0
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions, as vLLM names them.
+    top_k: int | None = None
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: Finite = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: int | None = Field(None, ge=0, le=5)         # OpenAI's completions limit
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def the_prompt(self) -> Prompt:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(HTTPStatus.BAD_REQUEST, "send one prompt per request (a list of "
+                               f"{len(prompt)} prompts was given)", "prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must not be empty", "prompt")
+        if isinstance(prompt, str) and not is_unicode(prompt):
+            raise ApiError(HTTPStatus.BAD_REQUEST, "prompt is not valid unicode", "prompt")
+        return prompt
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _unicode(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for message in messages:
+            if not is_unicode(message.plain()["content"]):
+                raise ValueError("message content is not valid unicode")
+        return messages
+
+
+# A field astream does not implement passes only at a value that asks for nothing.
+_NEUTRAL = {"logit_bias": (None, {}), "echo": (False,), "suffix": (None, ""), "best_of": (None, 1),
+            "tools": (None, []), "tool_choice": (None, "none", "auto"),
+            "response_format": (None, {"type": "text"})}
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,34 +152,34 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     model: str
+    n: int
+    logprobs: int | None                          # alternatives per token; None: none asked for
+    ignored: tuple[str, ...]                      # unknown fields, ignored (the log says so)
 
 
 def parse_request(raw: bytes, chat: bool, served_model: str, max_tokens_cap: int) -> ApiRequest:
     body = _load(raw)
-    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
-    unknown = sorted(set(body) - known)
-    if unknown:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"unrecognized request argument(s): "
-                       f"{short_repr(unknown)}", unknown[0])
+    try:
+        request = (ChatRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
     for name, allowed in _NEUTRAL.items():
-        if name in body and not any(type(body[name]) is type(a) and body[name] == a
-                                    for a in allowed):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{name}={short_repr(body[name])} is not "
-                           f"supported by astream; leave it out", name)
-    model = body.get("model", served_model)
+        value = getattr(request, name, None)
+        if value is not None and not any(value == a for a in allowed):
+            raise ApiError(HTTPStatus.BAD_REQUEST, f"{name}={short_repr(value)} is not supported "
+                           "by astream; leave it out", name)
+    model = request.model or served_model
     if model != served_model:
         raise ApiError(HTTPStatus.NOT_FOUND, f"the model {short_repr(model)} does not exist; "
                        f"this server serves {served_model!r}", "model", "model_not_found")
-    prompt = _messages(body.get("messages")) if chat else _prompt(body.get("prompt"))
-    stream = _flag(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and not (stream and isinstance(options, dict)
-                                    and set(options) <= {"include_usage"}):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "stream_options needs stream=true and takes only "
-                       "include_usage", "stream_options")
-    include_usage = _flag(options or {}, "include_usage")
-    params = _params(body, chat, max_tokens_cap)
-    return ApiRequest(chat, prompt, params, stream, include_usage, served_model)
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(HTTPStatus.BAD_REQUEST, "stream_options needs stream=true", "stream_options")
+    prompt = [m.plain() for m in request.messages] if chat else request.the_prompt()
+    logprobs = _logprobs(request)
+    params = _params(request, chat, max_tokens_cap, logprobs)
+    return ApiRequest(chat, prompt, params, request.stream,
+                      bool(request.stream_options and request.stream_options.include_usage),
+                      served_model, request.n, logprobs, tuple(sorted(request.model_extra or ())))
 
 
 def _load(raw: bytes) -> dict:
@@ -104,79 +196,56 @@ def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _flag(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be a boolean", name)
-    return value
+def _invalid(exc: ValidationError) -> ApiError:
+    """The first problem pydantic found, in words a client can act on, naming the field."""
+    error = exc.errors(include_url=False, include_input=False)[0]
+    location = [str(part) for part in error["loc"]]
+    # A union reports each alternative's failure under its type's name: keep the field.
+    param = location[0] if location else None
+    where = ".".join(location) or "body"
+    return ApiError(HTTPStatus.BAD_REQUEST, f"{where}: {error['msg']}", param)
 
 
-def _prompt(value: object) -> Prompt:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]                           # a batch of one
-    if isinstance(value, str) and value and is_unicode(value):
-        return value
-    if isinstance(value, list) and value and all(_is_int(t) and t >= 0 for t in value):
-        return list(value)
-    raise ApiError(HTTPStatus.BAD_REQUEST, "prompt must be a non-empty string or list of token "
-                   "ids (one prompt per request)", "prompt")
+def _logprobs(request: _Common) -> int | None:
+    if isinstance(request, ChatRequest):
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
 
 
-def _messages(value: object) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise ApiError(HTTPStatus.BAD_REQUEST, "messages must be a non-empty list", "messages")
-    messages = []
-    for i, message in enumerate(value):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = _content(message.get("content")) if role in _ROLES else None
-        if content is None:
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"messages[{i}] needs a role among {_ROLES} and "
-                           "text content (a string or a list of text parts)", "messages")
-        messages.append({"role": "system" if role == "developer" else role, "content": content})
-    return messages
-
-
-def _content(value: object) -> str | None:
-    if isinstance(value, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                       and isinstance(part.get("text"), str) for part in value):
-        value = "".join(part["text"] for part in value)
-    return value if isinstance(value, str) and is_unicode(value) else None
-
-
-def _params(body: dict, chat: bool, cap: int) -> SamplingParams:
-    values = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
-    for name in ("temperature", "top_p"):
-        if name in values and not (_is_number(values[name]) and math.isfinite(values[name])):
-            raise ApiError(HTTPStatus.BAD_REQUEST, f"{name} must be a number", name)
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
-    given = next((name for name in names if body.get(name) is not None), None)
-    max_tokens = body[given] if given else (cap if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, cap))
-    if given and _is_int(max_tokens) and max_tokens > cap:
-        raise ApiError(HTTPStatus.BAD_REQUEST, f"{given} {max_tokens} is above this server's cap "
-                       f"of {cap}", given)
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list) and
-                                                          all(isinstance(s, str) for s in stop))):
-        raise ApiError(HTTPStatus.BAD_REQUEST, "stop must be a string or a list of strings", "stop")
+def _params(request: _Common, chat: bool, cap: int, logprobs: int | None) -> SamplingParams:
+    given = "max_completion_tokens" if chat and request.max_completion_tokens is not None \
+        else "max_tokens"
+    max_tokens = getattr(request, given)
+    if max_tokens is None:
+        max_tokens = cap if chat else min(COMPLETIONS_DEFAULT_MAX_TOKENS, cap)
+    elif max_tokens > cap:
+        raise ApiError(HTTPStatus.BAD_REQUEST, f"{given} {short_repr(max_tokens)} is above this "
+                       f"server's cap of {cap}", given)
+    values = {name: getattr(request, name) for name in ("temperature", "top_p", "top_k", "seed")
+              if getattr(request, name) is not None}
+    values.update(max_tokens=max_tokens, stop=request.stop or (), ignore_eos=request.ignore_eos,
+                  stop_token_ids=tuple(request.stop_token_ids or ()),
+                  presence_penalty=request.presence_penalty,
+                  frequency_penalty=request.frequency_penalty,
+                  repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens,
+                  logprobs=logprobs, n=request.n)
+    known = SamplingParams.__dataclass_fields__
     try:
-        return SamplingParams(**values, max_tokens=max_tokens, stop=stop or ())
-    except (TypeError, ValueError) as exc:
-        raise ApiError(HTTPStatus.BAD_REQUEST, str(exc), _param_named(str(exc), given)) from None
+        return SamplingParams(**{k: v for k, v in values.items() if k in known})
+    except (TypeError, ValueError, OverflowError) as exc:
+        message = str(exc)
+        named = _first_named(message, values)
+        raise ApiError(HTTPStatus.BAD_REQUEST, message,
+                       given if named == "max_tokens" else named) from None
 
 
-def _param_named(message: str, max_tokens_field: str | None) -> str | None:
-    name = message.split(" ", 1)[0]
-    return (max_tokens_field or "max_tokens") if name == "max_tokens" else name
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _first_named(message: str, names) -> str | None:
+    """The parameter a SamplingParams error is about: the first of `names` it mentions."""
+    found = [(match.start(), name) for name in names
+             if (match := re.search(rf"\b{name}\b", message.replace("strings", "")))]
+    return min(found)[1] if found else None
 
 
 # ---- responses ---------------------------------------------------------------------------
@@ -197,24 +266,29 @@ class ResponseShape:
         return {"id": self.id, "object": kind, "created": self.created,
                 "model": self.request.model, "choices": choices}
 
-    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
-        if self.request.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason}
-            return {**self._object("chat.completion", [choice]), "usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._object("text_completion", [choice]), "usage": usage}
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        """choices: from `choice` below, one per completion."""
+        kind = "chat.completion" if self.request.chat else "text_completion"
+        return {**self._object(kind, choices), "usage": usage}
 
-    def chunk(self, text: str | None, finish_reason: str | None = None, first: bool = False) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        if self.request.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
+              first: bool = False, logprobs: dict | None = None) -> dict:
         """One stream chunk; chat's first carries the role, the last the finish reason. With
         include_usage every chunk has "usage": null, and `usage_chunk` ends the stream."""
         if self.request.chat:
             delta = {} if text is None else {"content": text}
             if first:
                 delta = {"role": "assistant", **delta}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None,
+            choice = {"index": index, "text": text or "", "logprobs": logprobs,
                       "finish_reason": finish_reason}
         chunk = self._object(self._chunk_kind, [choice])
         return {**chunk, "usage": None} if self.request.include_usage else chunk
@@ -232,6 +306,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def models_list(served_model: str, created: int) -> dict:
+def models_list(served_model: str, created: int, max_model_len: int) -> dict:
     return {"object": "list", "data": [{"id": served_model, "object": "model", "created": created,
-                                        "owned_by": "astream"}]}
+                                        "owned_by": "astream", "max_model_len": max_model_len}]}

@@ -3,6 +3,10 @@
 The receive loop parses frames and starts or cancels requests; a bad frame costs one
 error frame and nothing else. When the connection ends, for any reason, the task
 group is cancelled and every request still live on it is aborted, freeing its KV.
+
+Every send can wait on a client that does not read (its socket full). The receive loop
+is one of those senders, so such a client's frames are not read either, and TCP holds
+it back; a disconnect ends every wait at once.
 """
 
 from __future__ import annotations
@@ -13,15 +17,16 @@ from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import TaskGroup
-from websockets.asyncio.server import ServerConnection
-from websockets.exceptions import ConnectionClosed
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
 from astream.errors import EngineClosedError, PromptTooLongError
 from astream.outputs import Progress, StreamToken
 from astream.request_stream import RequestStream
 from astream.server import protocol as p
-from astream.server.state import ServerState
+from astream.server.state import ServerState, admitted
 
+GONE = (WebSocketDisconnect, WebSocketDisconnected, OSError)    # the connection is over
+GOING_AWAY = 1001
 log = logging.getLogger("astream.server")
 
 
@@ -37,7 +42,7 @@ class _Prefill:
 
 
 class Session:
-    def __init__(self, ws: ServerConnection, server: ServerState, serial: int) -> None:
+    def __init__(self, ws: WebSocket, server: ServerState, serial: int) -> None:
         self.ws = ws
         self.server = server
         self.serial = serial
@@ -49,12 +54,24 @@ class Session:
         async with anyio.create_task_group() as tasks:
             self._tasks = tasks
             try:
-                async for message in self.ws:
-                    await self._dispatch(message)
-            except ConnectionClosed:          # 1009 (frame too large), network loss, ...
+                while (message := await self.ws.receive())["type"] == "websocket.receive":
+                    text = message.get("text")
+                    await self._dispatch(text if text is not None else message.get("bytes", b""))
+            except GONE:                      # 1009 (frame too large), network loss, ...
                 pass
             finally:
                 tasks.cancel_scope.cancel()   # relays abort their requests on the way out
+
+    async def close(self, timeout: float) -> None:
+        """End the connection with 1001 (going away); a client that does not read gets
+        `timeout` seconds to take the close frame before its connection is dropped."""
+        if self._tasks is not None:
+            self._tasks.cancel_scope.cancel()
+        with anyio.move_on_after(timeout):
+            try:
+                await self.ws.close(GOING_AWAY)
+            except (*GONE, RuntimeError):
+                pass
 
     async def abort_all(self) -> None:
         for engine_id in list(self.live.values()):
@@ -104,21 +121,33 @@ class Session:
             raise p.FrameError(p.DUPLICATE_ID, str(exc), frame.id) from None
         self.live[frame.id] = engine_id
         self.server.request_started()
-        self._tasks.start_soon(self._relay, frame.id, request, name=f"relay {engine_id}")
+        self._tasks.start_soon(self._relay, frame.id, request, frame.params.max_tokens,
+                               name=f"relay {engine_id}")
 
     # ---- one request's frames -----------------------------------------------------------
 
-    async def _relay(self, request_id: str, request: RequestStream) -> None:
+    async def _relay(self, request_id: str, request: RequestStream, max_tokens: int) -> None:
         prefill = _Prefill(last_sent=anyio.current_time())
         self._tasks.start_soon(self._heartbeat, request_id, request, prefill)
         try:
             async with request:                    # leaving early aborts the request
+                first = await admitted(request)
+                overflow = isinstance(first, Progress) and \
+                    self.server.context_overflow(request.prompt_tokens, max_tokens)
+                if overflow:
+                    self._end(request_id, request)
+                    await self._send(p.error_frame(request_id, p.PROMPT_TOO_LONG, overflow))
+                    return
+                if isinstance(first, Progress):    # admitted: no frame, the heartbeat has its total
+                    prefill.total = first.total
+                else:
+                    await self._forward(request_id, request, first, prefill)
                 async for item in request:
                     await self._forward(request_id, request, item, prefill)
         except ValueError as exc:                  # the engine rejected the prompt
             self._end(request_id, request)
             await self._send_quietly(p.error_frame(request_id, _prompt_error_code(exc), str(exc)))
-        except ConnectionClosed:
+        except GONE:
             pass
         except Exception as exc:                   # a bug: this request fails, the connection lives
             log.exception("relay of request %s failed", request_id)
@@ -167,12 +196,12 @@ class Session:
             self.server.request_ended()
 
     async def _send(self, frame: dict) -> None:
-        await self.ws.send(p.encode(frame))
+        await self.ws.send_text(p.encode(frame))
 
     async def _send_quietly(self, frame: dict) -> None:
         try:
             await self._send(frame)
-        except ConnectionClosed:
+        except GONE:
             pass
 
 

@@ -8,6 +8,8 @@ import anyio
 
 from astream.engine import Engine
 from astream.errors import EngineClosedError
+from astream.outputs import Progress, StreamToken
+from astream.request_stream import RequestStream
 from astream.server.options import ServerOptions
 from astream.server.protocol import PROTOCOL_VERSION
 
@@ -18,12 +20,16 @@ class ServerState:
     options: ServerOptions
     requests_per_connection: int
     closing: bool = False                     # draining: no new requests
-    connections: int = 0
+    connections: int = 0                      # open websocket connections
     live_requests: int = 0
     idle: anyio.Event = field(default_factory=anyio.Event)    # set while no request is live
 
     def __post_init__(self) -> None:
         self.idle.set()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.stats()["max_model_len"]        # as the engine resolved it
 
     def request_started(self) -> None:
         self.live_requests += 1
@@ -35,6 +41,16 @@ class ServerState:
         if self.live_requests == 0:
             self.idle.set()
 
+    def context_overflow(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a prompt with this max_tokens does not fit the context, or None. Both
+        protocols refuse such a request rather than cut its output short."""
+        limit = self.max_model_len
+        if prompt_tokens + max_tokens <= limit:
+            return None
+        return (f"this model's maximum context length is {limit} tokens, but {prompt_tokens + max_tokens} "
+                f"were asked for ({prompt_tokens} in the prompt, {max_tokens} to generate); shorten "
+                "the prompt or lower max_tokens")
+
     def health(self) -> dict:
         try:
             stats = self.engine.stats()
@@ -44,3 +60,10 @@ class ServerState:
             stats, status = {}, "engine_stopped"
         return {"status": status, "protocol": PROTOCOL_VERSION, "connections": self.connections,
                 "live_requests": self.live_requests, **stats}
+
+
+async def admitted(stream: RequestStream) -> StreamToken | Progress:
+    """A new request's first item: the engine emits one as soon as it has tokenized and
+    admitted the prompt (or a token that ends it: aborted, failed). Raises the ValueError
+    of a prompt the engine refused."""
+    return await stream.__anext__()
