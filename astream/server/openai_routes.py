@@ -13,11 +13,13 @@ disconnect.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
 from contextlib import AsyncExitStack
 from http import HTTPStatus
+from typing import Callable
 
 import anyio
 from starlette.requests import Request
@@ -26,7 +28,7 @@ from starlette.routing import Route
 from starlette.types import Send
 
 from astream.errors import EngineClosedError
-from astream.outputs import Progress, StreamToken
+from astream.outputs import CompletionOutput, Progress, StreamToken, TokenLogprob
 from astream.request_stream import RequestStream
 from astream.server.guard import http_client, refusal
 from astream.server.http import JSON, BodyError, WhileConnected, json_text, read_body
@@ -36,6 +38,7 @@ from astream.server.openai_schema import (
 from astream.server.state import ServerState, admitted
 
 log = logging.getLogger("astream.server")
+Spell = Callable[[int], str]
 ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}     # path -> chat
 
 
@@ -119,8 +122,9 @@ class OpenAIRoutes:
             if overflow:
                 raise ApiError(HTTPStatus.BAD_REQUEST, overflow, "messages" if api.chat else "prompt",
                                "context_length_exceeded")
-            produce = _events(api, stream, first, state.options.progress_interval) if api.stream \
-                else _whole(api, stream, first)
+            spell = self._speller()
+            produce = _events(api, stream, first, state.options.progress_interval, spell) \
+                if api.stream else _whole(api, stream, first, spell)
             handed = cleanup.pop_all()                      # the response owns the request now
 
         async def respond(send: Send) -> None:
@@ -128,6 +132,11 @@ class OpenAIRoutes:
                 await produce(send)
 
         return WhileConnected(respond)
+
+    def _speller(self) -> Spell:
+        """A token id's text, as logprobs name it (the model's own piece, cached)."""
+        tokenizer = self.state.engine.tokenizer
+        return functools.lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
 
     def _ended(self, engine_id: str) -> None:
         self.live.discard(engine_id)
@@ -148,36 +157,44 @@ def _prompt_error(exc: ValueError) -> ApiError:
     return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "prompt", "invalid_prompt")
 
 
-def _whole(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress):
+def _whole(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress,
+           spell: Spell):
     async def produce(send: Send) -> None:
-        pieces, last = [], None
+        outputs = [CompletionOutput(index=i) for i in range(api.n)]
+        ended = 0
         async for item in _items(first, stream):
             if isinstance(item, StreamToken):
-                pieces.append(item.text)
-                last = item
-                if item.finish_reason is not None:
+                outputs[item.choice].add(item)
+                ended += item.finish_reason is not None
+                if ended == api.n:
                     break
-        if last is None or last.finish_reason in ("error", "abort"):
-            failed = last is not None and last.finish_reason == "error"
-            error = ApiError(HTTPStatus.INTERNAL_SERVER_ERROR if failed else
-                             HTTPStatus.SERVICE_UNAVAILABLE,
-                             (last.error if last else None) or "the request was aborted")
+        failed = next((o for o in outputs if o.finish_reason in (None, "error", "abort")), None)
+        if failed is not None:
+            error = ApiError(HTTPStatus.INTERNAL_SERVER_ERROR if failed.finish_reason == "error"
+                             else HTTPStatus.SERVICE_UNAVAILABLE,
+                             failed.error or "the request was aborted")
             await _send_json(send, error.status, error.body())
             return
         shape = ResponseShape(api)
-        body = shape.whole([shape.choice(0, "".join(pieces), last.finish_reason, None)],
-                           usage(stream.prompt_tokens, stream.completion_tokens))
-        await _send_json(send, HTTPStatus.OK, body)
+        choices = [shape.choice(o.index, o.text, o.finish_reason,
+                                None if api.logprobs is None else
+                                logprobs_object(api.chat, o.logprobs or [], spell))
+                   for o in outputs]
+        await _send_json(send, HTTPStatus.OK,
+                         shape.whole(choices, usage(stream.prompt_tokens, stream.completion_tokens)))
 
     return produce
 
 
-def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress, interval: float):
+def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress, interval: float,
+            spell: Spell):
     """Chunks as tokens come; until the first, an SSE comment with the prefill's progress at
     least every `interval` seconds (clients skip comments; proxies see a live stream)."""
     async def produce(send: Send) -> None:
         shape, lock = ResponseShape(api), anyio.Lock()
         progress = {"prefilled": 0, "total": stream.prompt_tokens, "started": False}
+        # A token without text yet (half a character) sends no chunk: its logprob waits.
+        pending: list[list[TokenLogprob]] = [[] for _ in range(api.n)]
 
         async def event(text: str, more: bool = True) -> None:
             async with lock:
@@ -190,11 +207,19 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
                 if not progress["started"]:
                     await event(_comment(progress))
 
+        def logprobs(choice: int) -> dict | None:
+            if api.logprobs is None:
+                return None
+            held, pending[choice] = pending[choice], []
+            return logprobs_object(api.chat, held, spell)
+
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                 (b"cache-control", b"no-cache")]})
         if api.chat:
-            await event(_data(shape.chunk(0, "", first=True)))
+            for choice in range(api.n):
+                await event(_data(shape.chunk(choice, "", first=True)))
+        ended = 0
         async with anyio.create_task_group() as group:
             group.start_soon(keepalive)
             async for item in _items(first, stream):
@@ -203,21 +228,50 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
                     await event(_comment(progress))
                     continue
                 progress["started"] = True
-                if item.text:
-                    await event(_data(shape.chunk(0, item.text)))
-                if item.finish_reason is not None:
-                    await event(_final(shape, item, stream))
+                if item.logprob is not None:
+                    pending[item.choice].append(
+                        TokenLogprob(item.token_id, item.logprob, item.top_logprobs or ()))
+                if item.finish_reason in ("error", "abort"):
+                    await event(_data(_failure(item).body()))
                     break
+                if item.text:
+                    await event(_data(shape.chunk(item.choice, item.text,
+                                                  logprobs=logprobs(item.choice))))
+                if item.finish_reason is not None:
+                    await event(_data(shape.chunk(item.choice, None, item.finish_reason,
+                                                  logprobs=logprobs(item.choice)
+                                                  if pending[item.choice] else None)))
+                    ended += 1
+                    if ended == api.n:
+                        if api.include_usage:
+                            await event(_data(shape.usage_chunk(
+                                usage(stream.prompt_tokens, stream.completion_tokens))))
+                        break
             group.cancel_scope.cancel()
         await event("data: [DONE]\n\n", more=False)
 
     return produce
 
 
+def logprobs_object(chat: bool, logprobs: list[TokenLogprob], spell: Spell) -> dict:
+    """OpenAI's logprobs of a choice or chunk: chat's `content` list, or the completions
+    API's parallel lists."""
+    if chat:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = spell(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in logprobs]}
+    tokens = [spell(lp.token_id) for lp in logprobs]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{spell(i): v for i, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
 async def _items(first: StreamToken | Progress, stream: RequestStream):
     yield first
-    if isinstance(first, StreamToken) and first.finish_reason is not None:
-        return
     async for item in stream:
         yield item
 
@@ -230,15 +284,10 @@ async def _send_json(send: Send, status: HTTPStatus, payload: dict) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _final(shape: ResponseShape, item: StreamToken, stream: RequestStream) -> str:
-    if item.finish_reason in ("error", "abort"):
-        status = HTTPStatus.INTERNAL_SERVER_ERROR if item.finish_reason == "error" else \
-            HTTPStatus.SERVICE_UNAVAILABLE
-        return _data(ApiError(status, item.error or "the request was aborted").body())
-    text = _data(shape.chunk(0, None, item.finish_reason))
-    if shape.request.include_usage:
-        text += _data(shape.usage_chunk(usage(stream.prompt_tokens, stream.completion_tokens)))
-    return text
+def _failure(item: StreamToken) -> ApiError:
+    status = HTTPStatus.INTERNAL_SERVER_ERROR if item.finish_reason == "error" else \
+        HTTPStatus.SERVICE_UNAVAILABLE
+    return ApiError(status, item.error or "the request was aborted")
 
 
 def _data(payload: dict) -> str:

@@ -196,9 +196,13 @@ def _params(value: object, max_tokens_cap: int, request_id: str) -> SamplingPara
         raise FrameError(MAX_TOKENS_CAP, f"max_tokens {short_repr(max_tokens)} is above this server's "
                          f"cap of {max_tokens_cap}", request_id)
     try:
-        return SamplingParams.from_dict(params)
+        sampling = SamplingParams.from_dict(params)
     except ValueError as exc:
         raise FrameError(INVALID_FIELD, f"params: {exc}", request_id) from None
+    if sampling.n != 1:
+        raise FrameError(INVALID_FIELD, "params.n must be 1: astream-ws/1 streams one completion "
+                         "per request (send n requests, or use the OpenAI API's n)", request_id)
+    return sampling
 
 
 def _check_param_type(name: str, value: object, request_id: str) -> None:
@@ -213,6 +217,12 @@ def _check_param_type(name: str, value: object, request_id: str) -> None:
                                                  and all(isinstance(s, str) for s in v)),
         "stop_token_ids": lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
         "ignore_eos": lambda v: isinstance(v, bool),
+        "presence_penalty": _is_number,
+        "frequency_penalty": _is_number,
+        "repetition_penalty": _is_number,
+        "min_tokens": _is_int,
+        "logprobs": lambda v: v is None or _is_int(v),
+        "n": _is_int,
     }.get(name, lambda v: True)
     if not ok(value):
         raise FrameError(INVALID_FIELD, f"params.{name} has the wrong type ({_json_type(value)})",
@@ -247,8 +257,12 @@ def encode(frame: dict) -> str:
 
 def token_frame(request_id: str, token: StreamToken) -> dict:
     """token_id is null for text released without a token (the final marker of an abort)."""
-    return {"type": "token", "id": request_id, "index": token.index,
-            "token_id": token.token_id if token.token_id >= 0 else None, "text": token.text}
+    frame = {"type": "token", "id": request_id, "index": token.index,
+             "token_id": token.token_id if token.token_id >= 0 else None, "text": token.text}
+    if token.logprob is not None:
+        frame["logprob"] = token.logprob
+        frame["top_logprobs"] = [list(pair) for pair in token.top_logprobs or ()]
+    return frame
 
 
 def progress_frame(request_id: str, prefilled: int, total: int) -> dict:
