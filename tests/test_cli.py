@@ -184,3 +184,29 @@ def test_cuda_without_a_gpu_says_the_flag_to_use(capsys):
     err = capsys.readouterr().err
     assert "usage: astream generate" in err
     assert "argument --device: 'cuda' was asked for but CUDA is not available; use --device cpu" in err
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys, monkeypatch):
+    import socket
+
+    import astream.engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(astream.engine.Engine, "__init__", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--device", "cpu"]) == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
+
+
+def test_serve_on_a_public_host_needs_a_key_or_consent(capsys, monkeypatch):
+    monkeypatch.delenv("ASTREAM_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--host", "0.0.0.0", "--device", "cpu"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: astream serve" in err and "--allow-unauthenticated" in err
