@@ -1,4 +1,4 @@
-"""The package's layers (docs/ENGINE.md, shared DESIGN): calls only go down, and no circles.
+"""The package's layers (docs/INTERNALS.md, shared DESIGN): calls only go down, and no circles.
 
 Every module's imports are read with `ast` (also those under TYPE_CHECKING and inside
 functions), so a shortcut anywhere in the code fails here.

@@ -1,6 +1,6 @@
 """A Hugging Face folder's tokenizer built with `tokenizers` alone, where its tokenizer.json
 holds the whole pipeline: importing transformers costs 2-9 s of a fresh process (on the
-H100 machine most of a Qwen3-4B folder's load, docs/BENCHMARKS.md).
+H100 machine most of a Qwen3-4B folder's load, docs/benchmarks-history.md).
 
 That is so for the generic fast classes and the byte-level BPE families (GPT-2, Qwen2),
 unless transformers would change what the file says:
