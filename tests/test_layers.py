@@ -15,8 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "astream"
 
 # Top to bottom. A module may import its own layer or any layer below it.
 LAYERS = [
-    ("face", ["astream.cli", "astream.server", "astream.client", "astream.llm", "astream.eval"]),
-    ("engine", ["astream.engine", "astream.request_stream", "astream.stages"]),
+    ("face", ["astream.cli", "astream.settings", "astream.server", "astream.client", "astream.llm",
+              "astream.eval"]),
+    ("engine", ["astream.engine", "astream.request_stream", "astream.stages", "astream.load_progress"]),
     ("core", ["astream.core", "astream.request", "astream.executor", "astream.scheduler",
               "astream.wait_queue", "astream.sequence"]),
     ("parts", ["astream.kvcache", "astream.policies", "astream.models"]),
