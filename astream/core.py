@@ -77,7 +77,8 @@ class EngineCore:
         align = plan.block_size if config.offload else 1
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
-                            align_chunks_to=align, prefer_chunks_of=_chunk_step(runner, align)),
+                            align_chunks_to=align, prefer_chunks_of=_chunk_step(runner, align),
+                            short_prompt_tokens=short_prompt_tokens(plan.max_num_batched_tokens)),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         log.info("astream: %s on %s (%s), %d KV blocks of %d tokens (%s)%s, max_model_len %d, "
                  "attention %s", path.name, device, dtype, plan.num_blocks, plan.block_size,
@@ -331,6 +332,12 @@ class EngineCore:
                 "offload_bytes_offloaded": engine.bytes_offloaded,
                 "quest_pages_loaded": engine.reuse.pages_loaded() if engine.reuse is not None
                 else [0] * len(engine.host_k)}
+
+
+def short_prompt_tokens(budget: int) -> int:
+    """Prompts the scheduler puts first: up to 256 tokens, or an eighth of a step's budget
+    when that is more, and never more than half of it (docs/ENGINE.md, "Scheduler")."""
+    return min(max(256, budget // 8), budget // 2)
 
 
 def _chunk_step(runner: ModelRunner, align: int) -> int:

@@ -12,6 +12,12 @@ sequences, and when every running slot is taken, a client running two or more
 sequences more than the waiting one gives up its newest. A paused sequence (its
 consumer stopped reading) gives up its slot and blocks to anyone waiting, and is
 parked until it is resumed.
+
+Short prompts first: a waiting sequence of at most `short_prompt_tokens` tokens is
+admitted before any longer one, and while one waits (with a running slot free for it),
+the chunks of unfinished long prompts leave it up to half the step's token budget. So
+a chat turn that arrives while long prompts prefill gets its first token within a step
+or two, and the long prompts still advance every step.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class SchedulerConfig:
     max_model_len: int
     align_chunks_to: int = 1       # unfinished prefill chunks end on multiples of this
     prefer_chunks_of: int = 1      # ...and on multiples of this where the budget allows
+    short_prompt_tokens: int = 0   # waiting sequences this short go first (0: none)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -68,6 +75,9 @@ class Scheduler:
     isolated: deque = field(default_factory=deque)             # from failed steps: run alone
     steps: int = 0
     preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.waiting.short_tokens = self.config.short_prompt_tokens
 
     def add(self, seq: Sequence) -> None:
         self.check_prompt_length(seq.num_tokens)
@@ -156,6 +166,7 @@ class Scheduler:
                 return batch
         self._rebalance()
         budget = self.config.max_num_batched_tokens
+        reserve = self._short_reserve(budget)
         items: list[ScheduledSeq] = []
         preempted = False
         running, block_size = self.running, self.blocks.block_size
@@ -163,7 +174,8 @@ class Scheduler:
         while index < len(running) and budget > 0:
             seq = running[index]
             index += 1
-            n = self._chunk(seq, budget)
+            prefilling = seq.num_tokens - seq.num_computed_tokens > 1
+            n = self._chunk(seq, budget - reserve if prefilling else budget)
             if n <= 0 or seq.paused:
                 continue
             # Most steps of a decode fit in the blocks it holds: no allocation, no preemption.
@@ -180,6 +192,13 @@ class Scheduler:
         self.steps += 1
         items = [i for i in items if i.num_tokens != 1] + [i for i in items if i.num_tokens == 1]
         return ScheduledBatch(self.steps, tuple(items))
+
+    def _short_reserve(self, budget: int) -> int:
+        """Tokens this step keeps from long prefill chunks for short prompts that wait."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return 0
+        waiting = sum(seq.num_tokens for seq in self.waiting.short_heads() if not seq.num_pending)
+        return min(waiting, budget // 2)
 
     def _schedule_isolated(self) -> ScheduledBatch | None:
         """A sequence from a failed step runs alone, so a repeat failure is its own."""

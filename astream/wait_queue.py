@@ -1,4 +1,10 @@
-"""The scheduler's waiting sequences: one FIFO per client, picked fairly between clients."""
+"""The scheduler's waiting sequences: one FIFO per client and kind, picked fairly.
+
+A sequence is short when its tokens fit `short_tokens` (a chat turn, a classification):
+short ones go ahead of long ones, in any client's line, so a few long prompts cannot
+hold back a short request's first token for the whole of their prefill. Between
+clients, the one with the fewest running sequences goes first, then the earliest.
+"""
 
 from __future__ import annotations
 
@@ -8,41 +14,56 @@ from typing import Iterator, Mapping
 
 from astream.sequence import Sequence
 
+Line = tuple[str, bool]                    # (client, short)
+
 
 @dataclass(slots=True)
 class WaitQueue:
-    queues: dict[str, deque] = field(default_factory=dict)     # client -> its waiting sequences
+    short_tokens: int = 0                  # 0: no sequence is short
+    queues: dict[Line, deque] = field(default_factory=dict)
+    lines: dict[int, Line] = field(default_factory=dict)      # id(seq) -> the line it waits in
     size: int = 0
 
     def push(self, seq: Sequence) -> None:
-        self.queues.setdefault(seq.client, deque()).append(seq)
+        self.queues.setdefault(self._line(seq), deque()).append(seq)
         self.size += 1
 
     def push_front(self, seq: Sequence) -> None:
         """For sequences that already ran (preempted, resumed): first in their client's line."""
-        self.queues.setdefault(seq.client, deque()).appendleft(seq)
+        self.queues.setdefault(self._line(seq), deque()).appendleft(seq)
         self.size += 1
 
     def remove(self, seq: Sequence) -> None:
-        queue = self.queues[seq.client]
+        line = self.lines.pop(id(seq))
+        queue = self.queues[line]
         queue.remove(seq)
         if not queue:
-            del self.queues[seq.client]
+            del self.queues[line]
         self.size -= 1
 
     def heads(self, running: Mapping[str, int]) -> list[Sequence]:
-        """The first waiting sequence of each client, fairest first: fewest running
-        sequences of its client, then earliest arrival."""
-        return sorted((q[0] for q in self.queues.values()),
-                      key=lambda seq: (running.get(seq.client, 0), seq.arrival))
+        """The first waiting sequence of each line, in the order they would be admitted."""
+        return sorted((q[0] for q in self.queues.values()), key=self._order(running))
 
     def fairest(self, running: Mapping[str, int]) -> Sequence | None:
-        heads = [q[0] for q in self.queues.values()]
-        return min(heads, key=lambda seq: (running.get(seq.client, 0), seq.arrival), default=None)
+        return min((q[0] for q in self.queues.values()), key=self._order(running), default=None)
+
+    def short_heads(self) -> list[Sequence]:
+        return [q[0] for (_, short), q in self.queues.items() if short]
+
+    def _line(self, seq: Sequence) -> Line:
+        # Fixed when it starts waiting: its token count may grow while it waits (a sampled
+        # id still in flight), and it must leave from the line it entered.
+        line = self.lines[id(seq)] = (seq.client, seq.num_tokens <= self.short_tokens)
+        return line
+
+    def _order(self, running: Mapping[str, int]):
+        lines = self.lines
+        return lambda seq: (not lines[id(seq)][1], running.get(seq.client, 0), seq.arrival)
 
     def __contains__(self, seq: Sequence) -> bool:
-        queue = self.queues.get(seq.client)
-        return queue is not None and seq in queue
+        line = self.lines.get(id(seq))
+        return line is not None and seq in self.queues[line]
 
     def __len__(self) -> int:
         return self.size

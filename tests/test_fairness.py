@@ -164,3 +164,45 @@ async def test_over_http_each_machine_is_one_client():
         assert (await health(srv.port))["steps"] - before <= 6
         for sock in [bystander, *hogs]:
             await sock.aclose()
+
+
+# ---- short prompts while long ones prefill -----------------------------------------------
+
+def test_a_short_prompt_goes_ahead_of_long_prefills_of_its_own_client():
+    sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
+    longs = [Sequence(f"long{i}", [1] * 400, P(max_tokens=8), i, "c") for i in range(3)]
+    for seq in longs:
+        sched.add(seq)
+    sched.schedule()
+    short = Sequence("short", [2] * 10, P(max_tokens=8), 10, "c")    # same client, last to come
+    sched.add(short)
+    batch = sched.schedule()
+    chunks = {item.seq.request_id: item.num_tokens for item in batch.items}
+    assert chunks["short"] == 10                          # its whole prompt, this step
+    assert chunks["long0"] >= 32                          # the long prefill still advances
+    assert sum(chunks.values()) <= 64
+
+
+def test_without_short_prompts_waiting_long_prefills_take_the_whole_budget():
+    sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
+    sched.add(Sequence("long", [1] * 400, P(max_tokens=8), 0, "c"))
+    sched.add(Sequence("long2", [1] * 400, P(max_tokens=8), 1, "c"))
+    assert [item.num_tokens for item in sched.schedule().items] == [64]
+    assert [item.num_tokens for item in sched.schedule().items] == [64]
+
+
+@pytest.mark.anyio
+async def test_a_short_request_gets_its_first_token_while_long_prompts_prefill():
+    long_prompt = " ".join(f"word{i}" for i in range(220))          # several chunks of 256
+    async with Engine(max_num_seqs=8, max_num_batched_tokens=256, **ENGINE_KW) as engine:
+        longs = [await engine.request(f"{i} {long_prompt}", SamplingParams(temperature=0, max_tokens=4))
+                 for i in range(4)]
+        with anyio.fail_after(60):
+            while engine.stats()["steps"] < 1:
+                await anyio.sleep(0.005)
+            before = engine.stats()["steps"]
+            async for _ in engine.stream("Hi", SamplingParams(temperature=0, max_tokens=1)):
+                break
+        assert engine.stats()["steps"] - before <= 3           # not after four long prefills
+        for stream in longs:
+            await stream.aclose()
