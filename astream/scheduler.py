@@ -14,7 +14,8 @@ consumer stopped reading) gives up its slot and blocks to anyone waiting, and is
 parked until it is resumed.
 
 Short prompts first: a waiting sequence of at most `short_prompt_tokens` tokens is
-admitted before any longer one, and while one waits (with a running slot free for it),
+admitted before any longer one of a client with as many running (fairness between
+clients comes first), and while one waits (with a running slot free for it),
 the chunks of unfinished long prompts leave it up to half the step's token budget. So
 a chat turn that arrives while long prompts prefill gets its first token within a step
 or two, and the long prompts still advance every step.

@@ -1,9 +1,10 @@
 """The scheduler's waiting sequences: one FIFO per client and kind, picked fairly.
 
-A sequence is short when its tokens fit `short_tokens` (a chat turn, a classification):
-short ones go ahead of long ones, in any client's line, so a few long prompts cannot
-hold back a short request's first token for the whole of their prefill. Between
-clients, the one with the fewest running sequences goes first, then the earliest.
+Between clients, the one with the fewest running sequences goes first, so no client can
+starve another. Among equals, a short sequence (its tokens fit `short_tokens`: a chat
+turn, a classification) goes ahead of long ones, in any client's line, so a few long
+prompts cannot hold back a short request's first token for the whole of their prefill;
+then the earliest arrival.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class WaitQueue:
 
     def _order(self, running: Mapping[str, int]):
         lines = self.lines
-        return lambda seq: (not lines[id(seq)][1], running.get(seq.client, 0), seq.arrival)
+        return lambda seq: (running.get(seq.client, 0), not lines[id(seq)][1], seq.arrival)
 
     def __contains__(self, seq: Sequence) -> bool:
         line = self.lines.get(id(seq))

@@ -206,3 +206,15 @@ async def test_a_short_request_gets_its_first_token_while_long_prompts_prefill()
         assert engine.stats()["steps"] - before <= 3           # not after four long prefills
         for stream in longs:
             await stream.aclose()
+
+
+def test_short_prompts_of_a_busy_client_do_not_starve_another_clients_long_one():
+    sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
+    for i in range(4):
+        sched.add(Sequence(f"a{i}", [1] * 8, P(max_tokens=200), i, "a"))
+    sched.schedule()
+    sched.add(Sequence("b", [1] * 40, P(max_tokens=4), 10, "b"))          # long, another client
+    for i in range(2):
+        sched.add(Sequence(f"a-short{i}", [2] * 8, P(max_tokens=4), 11 + i, "a"))
+    running = {item.seq.request_id for item in sched.schedule().items}
+    assert "b" in running                                 # a's newest yields its slot to b
