@@ -89,7 +89,8 @@ def process_logits(logits: torch.Tensor, processing: LogitsProcessing,
         logits = apply_penalties(logits, processing.penalties, previous_ids)
     if processing.banned is not None:
         logits = logits.index_put((processing.banned[0], processing.banned[1]),
-                                  torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+                                  # torch.full, not torch.tensor: a Python value copied to the device waits for the queue.
+                                  torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device))
     return logits
 
 
@@ -108,7 +109,8 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, previous_ids: torch.Te
     seen = counts > 0
     repeated = seen
     if pen.prompt is not None:
-        repeated = seen.index_put((pen.prompt[0], pen.prompt[1]), torch.tensor(True, device=logits.device))
+        repeated = seen.index_put((pen.prompt[0], pen.prompt[1]),
+                                  torch.ones((), dtype=torch.bool, device=logits.device))
     rows = logits.index_select(0, pen.rows)
     rep = pen.repetition.unsqueeze(1)
     rows = torch.where(repeated, torch.where(rows > 0, rows / rep, rows * rep), rows)
