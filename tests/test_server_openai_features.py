@@ -160,3 +160,34 @@ async def test_logprobs_on_the_websocket():
         tokens = [f for f in frames if f["type"] == "token"]
         assert tokens and all(f["logprob"] <= 0 and len(f["top_logprobs"]) == 2 for f in tokens)
         assert all(f["top_logprobs"][0][0] == f["token_id"] for f in tokens)
+
+
+async def test_a_defaulted_max_tokens_is_not_refused_for_a_short_context():
+    """Clients that leave max_tokens out get the server's cap as a bound, not a promise: the
+    answer ends with "length" at max_model_len rather than a 400."""
+    async with serving({"max_model_len": 256}, max_tokens_cap=1024) as srv:
+        status, text = await post(srv.port, "/v1/chat/completions", {
+            "model": MODEL, "messages": CHAT, "temperature": 0})
+        assert status == 200, text
+        async with connect(srv.url) as ws:
+            wire = Wire(ws)
+            await wire.send({"type": "generate", "id": "d", "prompt": [42] * 200,
+                             "params": {"temperature": 0, "ignore_eos": True}})
+            done = (await wire.until_end("d"))[-1]
+        assert done["type"] == "done" and done["finish_reason"] == "length"
+        assert done["usage"]["prompt_tokens"] + done["usage"]["completion_tokens"] <= 256
+
+
+async def test_streamed_completion_text_offsets_run_on_across_chunks():
+    async with serving() as srv:
+        def streamed():
+            return list(client(srv.port).completions.create(
+                model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                logprobs=1, stream=True))
+
+        chunks = await in_thread(streamed)
+    seen = [(lp.text_offset, lp.tokens) for chunk in chunks for choice in chunk.choices
+            if (lp := choice.logprobs) is not None and lp.tokens]
+    offsets = [offset for offsets, _ in seen for offset in offsets]
+    lengths = [len(token) for _, tokens in seen for token in tokens]
+    assert offsets == [sum(lengths[:i]) for i in range(len(lengths))] and len(offsets) > 1

@@ -101,6 +101,8 @@ class OpenAIRoutes:
         """Submit, wait until the engine knows the prompt's length, then respond. Until the
         response takes over the stream, any failure here aborts the request."""
         state, engine_id = self.state, f"http{next(self._numbers)}"
+        if state.closing:                       # a drain began while the body was read
+            raise ApiError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
         async with AsyncExitStack() as cleanup:
             try:
                 stream = await state.engine.request(api.prompt, api.params, engine_id,
@@ -118,7 +120,7 @@ class OpenAIRoutes:
             except ValueError as exc:                       # refused after tokenization
                 raise _prompt_error(exc) from None
             overflow = isinstance(first, Progress) and \
-                state.context_overflow(stream.prompt_tokens, api.params.max_tokens)
+                state.context_overflow(stream.prompt_tokens, api.asked_max_tokens or 1)
             if overflow:
                 raise ApiError(HTTPStatus.BAD_REQUEST, overflow, "messages" if api.chat else "prompt",
                                "context_length_exceeded")
@@ -195,6 +197,7 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
         progress = {"prefilled": 0, "total": stream.prompt_tokens, "started": False}
         # A token without text yet (half a character) sends no chunk: its logprob waits.
         pending: list[list[TokenLogprob]] = [[] for _ in range(api.n)]
+        offsets = [0] * api.n                  # completions' text_offset runs on across chunks
 
         async def event(text: str, more: bool = True) -> None:
             async with lock:
@@ -211,7 +214,10 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
             if api.logprobs is None:
                 return None
             held, pending[choice] = pending[choice], []
-            return logprobs_object(api.chat, held, spell)
+            piece = logprobs_object(api.chat, held, spell, offsets[choice])
+            if not api.chat:
+                offsets[choice] += sum(len(token) for token in piece["tokens"])
+            return piece
 
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -253,7 +259,7 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
     return produce
 
 
-def logprobs_object(chat: bool, logprobs: list[TokenLogprob], spell: Spell) -> dict:
+def logprobs_object(chat: bool, logprobs: list[TokenLogprob], spell: Spell, offset: int = 0) -> dict:
     """OpenAI's logprobs of a choice or chunk: chat's `content` list, or the completions
     API's parallel lists."""
     if chat:
@@ -264,7 +270,7 @@ def logprobs_object(chat: bool, logprobs: list[TokenLogprob], spell: Spell) -> d
         return {"content": [{**entry(lp.token_id, lp.logprob),
                              "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in logprobs]}
     tokens = [spell(lp.token_id) for lp in logprobs]
-    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset)) if tokens else []
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{spell(i): v for i, v in lp.top} for lp in logprobs],
             "text_offset": offsets}

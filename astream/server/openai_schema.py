@@ -155,6 +155,9 @@ class ApiRequest:
     n: int
     logprobs: int | None                          # alternatives per token; None: none asked for
     ignored: tuple[str, ...]                      # unknown fields, ignored (the log says so)
+    # max_tokens as the client asked (a prompt that cannot fit it gets a 400); None when it
+    # was defaulted: generation then ends with "length" at the context's end, as in vLLM.
+    asked_max_tokens: int | None
 
 
 def parse_request(raw: bytes, chat: bool, served_model: str, max_tokens_cap: int) -> ApiRequest:
@@ -179,7 +182,9 @@ def parse_request(raw: bytes, chat: bool, served_model: str, max_tokens_cap: int
     params = _params(request, chat, max_tokens_cap, logprobs)
     return ApiRequest(chat, prompt, params, request.stream,
                       bool(request.stream_options and request.stream_options.include_usage),
-                      served_model, request.n, logprobs, tuple(sorted(request.model_extra or ())))
+                      served_model, request.n, logprobs, tuple(sorted(request.model_extra or ())),
+                      request.max_completion_tokens if chat and request.max_completion_tokens
+                      is not None else request.max_tokens)
 
 
 def _load(raw: bytes) -> dict:

@@ -55,6 +55,9 @@ class Generate:
     id: str
     prompt: Prompt
     params: SamplingParams
+    # The client's own max_tokens: a prompt that cannot fit it is refused. A defaulted one
+    # is not a promise, and ends with "length" at the context's end instead.
+    asked_max_tokens: bool = True
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,7 +125,9 @@ def _parse_generate(frame: dict, max_tokens_cap: int) -> Generate:
         raise FrameError(INVALID_FIELD, "give exactly one of 'prompt' and 'messages'", request_id)
     prompt = _prompt(frame["prompt"], request_id) if has_prompt else \
         _messages(frame["messages"], request_id)
-    return Generate(request_id, prompt, _params(frame.get("params", {}), max_tokens_cap, request_id))
+    params = frame.get("params", {})
+    return Generate(request_id, prompt, _params(params, max_tokens_cap, request_id),
+                    "max_tokens" in params)
 
 
 def _request_id(frame: dict) -> str:

@@ -121,7 +121,8 @@ class Session:
             raise p.FrameError(p.DUPLICATE_ID, str(exc), frame.id) from None
         self.live[frame.id] = engine_id
         self.server.request_started()
-        self._tasks.start_soon(self._relay, frame.id, request, frame.params.max_tokens,
+        self._tasks.start_soon(self._relay, frame.id, request,
+                               frame.params.max_tokens if frame.asked_max_tokens else 1,
                                name=f"relay {engine_id}")
 
     # ---- one request's frames -----------------------------------------------------------
