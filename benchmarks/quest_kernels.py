@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from astream.ops import quest  # noqa: E402
-from astream.ops.attention import paged_decode_attention  # noqa: E402
+from astream.ops.backends import AttentionBackends  # noqa: E402
 from astream.ops.quest_select import (  # noqa: E402
     physical_page_ids, select_decode_pages, select_decode_pages_ref,
 )
@@ -109,7 +109,8 @@ def sweep_row(c: dict, budget: int, reps: int) -> dict:
     out, lse = quest.paged_decode_selected(*args, **kw)
     ref_out, ref_lse = quest.paged_decode_selected_ref(q.float(), *args[1:], **kw)
     max_ctx = ids.shape[1] * PAGE
-    dense = lambda: paged_decode_attention(  # noqa: E731
+    backends = AttentionBackends.select(q.device, q.dtype, DIM)
+    dense = lambda: backends.paged_decode(  # noqa: E731
         q, c["k"], c["v"], c["tables"], c["lens"], scale=DIM ** -0.5, max_context_len=max_ctx)
     return {"select_mismatch": mismatch(chosen, select(c, budget, select_decode_pages_ref)),
             "err_out": rel_err(out, ref_out), "err_lse": rel_err(lse, ref_lse),
@@ -124,8 +125,9 @@ def full_selection_check(c: dict) -> float:
     """A budget covering the context: the Quest step must equal dense decode."""
     n_pages = c["ids"].shape[1]
     out, lse = quest_step(c, n_pages)
-    ref = paged_decode_attention(c["q"], c["k"], c["v"], c["tables"], c["lens"],
-                                 scale=DIM ** -0.5, max_context_len=n_pages * PAGE)
+    backends = AttentionBackends.select(c["q"].device, c["q"].dtype, DIM)
+    ref = backends.paged_decode(c["q"], c["k"], c["v"], c["tables"], c["lens"],
+                                scale=DIM ** -0.5, max_context_len=n_pages * PAGE)
     return max(rel_err(out, ref[0]), rel_err(lse, ref[1]))
 
 

@@ -12,14 +12,16 @@ from astream.ops import attention_ref, flash
 from astream.ops.attention import (
     VarlenMeta,
     merge_attention,
-    paged_decode_attention,
     select_backend,
     select_decode_backend,
     varlen_attention,
     varlen_backend_for,
 )
+from astream.ops.backends import AttentionBackends
 
 KV_HEADS = 2
+# Paged decode as an engine on this CPU runs it: the torch reference.
+REFERENCE = AttentionBackends.select(torch.device("cpu"), torch.float32, 64)
 
 
 def make_meta(lens_q: list[int], lens_k: list[int]) -> VarlenMeta:
@@ -150,7 +152,7 @@ def test_paged_decode_reference_matches_varlen(ratio):
     exp_out, exp_lse = attention_ref.varlen_attention_ref(
         q, torch.cat(keys), torch.cat(values), meta, causal=True, scale=0.125)
     for max_ctx in (100, 128):  # an upper bound above the longest context is fine too
-        out, lse = paged_decode_attention(q, k_cache, v_cache, tables, lens,
+        out, lse = REFERENCE.paged_decode(q, k_cache, v_cache, tables, lens,
                                           scale=0.125, max_context_len=max_ctx)
         torch.testing.assert_close(out, exp_out, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse, exp_lse, atol=1e-5, rtol=1e-5)
@@ -163,7 +165,7 @@ def test_paged_decode_reference_batch_chunks(monkeypatch):
     meta = make_meta([1, 1, 1], [5, 33, 0])
     exp_out, exp_lse = attention_ref.varlen_attention_ref(
         q, torch.cat(keys), torch.cat(values), meta, causal=False, scale=0.2)
-    out, lse = paged_decode_attention(q, k_cache, v_cache, tables, lens,
+    out, lse = REFERENCE.paged_decode(q, k_cache, v_cache, tables, lens,
                                       scale=0.2, max_context_len=33)
     torch.testing.assert_close(out, exp_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, exp_lse, atol=1e-5, rtol=1e-5)
@@ -184,14 +186,14 @@ def test_paged_decode_reference_over_fp8_equals_dequantize_then_attend(kv_dtype)
     gen = torch.Generator().manual_seed(5)
     (kq, ks), (vq, vs) = fp8_cache(k_cache, kv_dtype, gen), fp8_cache(v_cache, kv_dtype, gen)
     kw = dict(scale=0.125, max_context_len=90)
-    out, lse = paged_decode_attention(q, kq, vq, tables, lens, kv_scales=(ks, vs), **kw)
+    out, lse = REFERENCE.paged_decode(q, kq, vq, tables, lens, kv_scales=(ks, vs), **kw)
     dequant_k = kq.float() * ks.view(1, 1, -1, 1)
     dequant_v = vq.float() * vs.view(1, 1, -1, 1)
-    want_out, want_lse = paged_decode_attention(q, dequant_k, dequant_v, tables, lens, **kw)
+    want_out, want_lse = REFERENCE.paged_decode(q, dequant_k, dequant_v, tables, lens, **kw)
     torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
     # and the fp8 error itself stays within the format's precision of the exact result
-    exact_out, _ = paged_decode_attention(q, k_cache, v_cache, tables, lens, **kw)
+    exact_out, _ = REFERENCE.paged_decode(q, k_cache, v_cache, tables, lens, **kw)
     rel = (out - exact_out).norm() / exact_out.norm()
     assert rel < (0.05 if kv_dtype == torch.float8_e4m3fn else 0.1), float(rel)
 
@@ -199,7 +201,7 @@ def test_paged_decode_reference_over_fp8_equals_dequantize_then_attend(kv_dtype)
 def test_paged_decode_all_empty():
     q, _, _, k_cache, v_cache, tables, _ = paged_case([3, 4], KV_HEADS, 64)
     lens = torch.zeros(2, dtype=torch.int32)
-    out, lse = paged_decode_attention(q, k_cache, v_cache, tables, lens,
+    out, lse = REFERENCE.paged_decode(q, k_cache, v_cache, tables, lens,
                                       scale=0.125, max_context_len=0)
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
 

@@ -16,8 +16,8 @@ from torch import Tensor
 from astream.ops import attention_ref, flash
 from astream.ops.varlen import VarlenMeta
 
-__all__ = ["VarlenMeta", "merge_attention", "paged_decode_attention", "select_backend",
-           "select_decode_backend", "varlen_attention", "varlen_backend_for"]
+__all__ = ["VarlenMeta", "merge_attention", "select_backend", "select_decode_backend",
+           "varlen_attention", "varlen_backend_for"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -73,34 +73,6 @@ def select_decode_backend(device: torch.device | str) -> str:
     if device.type == "cuda" and _triton_decode_importable():
         return "triton"
     return "reference"
-
-
-def paged_decode_attention(
-    q: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    context_lens: Tensor,
-    *,
-    scale: float,
-    max_context_len: int,
-    kv_scales: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """One query token per sequence over a paged cache -> out [B, H, D], lse [B, H].
-
-    q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
-    int32; context_lens [B] int32 (0 = no keys). On CUDA, max_context_len only sizes
-    the split count (keep it fixed per captured graph); the reference path needs
-    it >= every context length. kv_scales (k, v: [KVH] float32): the caches hold
-    stored values (fp8) of key / k[head] and value / v[head].
-    """
-    args = (q, k_cache, v_cache, block_tables, context_lens)
-    kwargs = dict(scale=scale, max_context_len=max_context_len, kv_scales=kv_scales)
-    if select_decode_backend(q.device) == "triton":
-        from astream.ops import triton_decode
-
-        return triton_decode.paged_decode_triton(*args, **kwargs)
-    return attention_ref.paged_decode_attention_ref(*args, **kwargs)
 
 
 def merge_attention(

@@ -89,7 +89,14 @@ class AttentionBackends:
     def paged_decode(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                      context_lens: Tensor, *, scale: float, max_context_len: int,
                      kv_scales: KVScalesArg = None) -> tuple[Tensor, Tensor]:
-        """One query token per sequence over a paged cache (see ops.attention.paged_decode_attention)."""
+        """One query token per sequence over a paged cache -> out [B, H, D], lse [B, H].
+
+        q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]
+        int32; context_lens [B] int32 (0 = no keys). On CUDA, max_context_len only sizes
+        the split count (keep it fixed per captured graph); the reference path needs
+        it >= every context length. kv_scales (k, v: [KVH] float32): the caches hold
+        stored values (fp8) of key / k[head] and value / v[head].
+        """
         args = (q, k_cache, v_cache, block_tables, context_lens)
         kwargs = dict(scale=scale, max_context_len=max_context_len, kv_scales=kv_scales)
         if self.decode_name == "triton":

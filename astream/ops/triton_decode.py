@@ -223,7 +223,7 @@ def paged_decode_triton(
     use_dot: bool | None = None,
     kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Paged decode; same contract as `astream.ops.attention.paged_decode_attention`.
+    """Paged decode; same contract as `astream.ops.backends.AttentionBackends.paged_decode`.
 
     max_context_len only picks num_splits (any context_lens stay correct);
     num_splits / use_dot override the heuristics (benchmarks, tests).
