@@ -174,11 +174,6 @@ _BLOCK_FNS: MappingProxyType[GGMLQuantizationType, BlockFn] = MappingProxyType(
 SUPPORTED_QUANT_TYPES: tuple[GGMLQuantizationType, ...] = tuple(_BLOCK_FNS)
 
 
-def is_supported(qtype: GGMLQuantizationType | int) -> bool:
-    """Whether `dequantize` handles this ggml tensor type."""
-    return qtype in _BLOCK_FNS
-
-
 def quantized_nbytes(qtype: GGMLQuantizationType | int, shape: Sequence[int]) -> int:
     """Bytes that a tensor of logical `shape` takes when stored as `qtype`."""
     qtype = GGMLQuantizationType(qtype)

@@ -103,10 +103,6 @@ class TextTokenizer:
         return self.spec.special_tokens_map()
 
     @property
-    def all_special_tokens(self) -> list[str]:
-        return self.spec.named_tokens()
-
-    @property
     def all_special_ids(self) -> list[int]:
         return [self._id(t) for t in self.spec.named_tokens()]
 
@@ -159,10 +155,6 @@ class TextTokenizer:
         if self.spec.clean_up_tokenization_spaces and not self._is_bpe():
             text = _clean_up_spaces(text)
         return text
-
-    def batch_decode(self, sequences: Iterable[Iterable[int]],
-                     skip_special_tokens: bool = False) -> list[str]:
-        return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
     def _is_bpe(self) -> bool:
         # transformers never applies the space clean-up to BPE text: it would remove real spaces.

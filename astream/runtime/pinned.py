@@ -29,10 +29,6 @@ class PinnedHostTensor:
             # The finalizer keeps the tensor alive until its pages are unlocked.
             self._unpin = weakref.finalize(self, _unregister, self.tensor)
 
-    @property
-    def pinned(self) -> bool:
-        return self._unpin is not None and self._unpin.alive
-
     def release(self) -> None:
         if self._unpin is not None:
             self._unpin()
