@@ -475,14 +475,16 @@ async def _serve(args: argparse.Namespace, engine_kw: dict, options) -> None:
 
     from astream.engine import Engine
     from astream.server import PROTOCOL_VERSION, StreamServer
+    from astream.server.engine_process import EngineProcess
     from astream.server.listen import bind
 
     logging.basicConfig(level=options.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = EngineProcess(args.model, log_level=options.log_level, **engine_kw) \
+        if options.engine_process else Engine(args.model, **engine_kw)
     # A busy port fails now, not after the model has loaded.
     with bind(options.host, options.port) as sock:
-        async with Engine(args.model, **engine_kw) as engine, \
-                StreamServer(engine, options, sock) as server:
+        async with engine, StreamServer(engine, options, sock) as server:
             http_url = server.url.replace("ws://", "http://", 1)
             print(f"astream: serving {PROTOCOL_VERSION} on {server.url} and the OpenAI API on "
                   f"{http_url}/v1 as model {server.openai.served_model!r} (health: "

@@ -56,6 +56,9 @@ class ServerOptions:
         "seconds between the server's websocket pings"))
     ping_timeout: float = field(default=20.0, metadata=_help(
         "seconds a websocket peer has to answer a ping before it is dropped"))
+    engine_process: bool = field(default=True, metadata=_help(
+        "run the engine in a process of its own, so HTTP and websocket work never delays a "
+        "decode step; --no-engine-process runs it on the server's event loop, in one process"))
     log_level: str = field(default="info", metadata=_help(
         "debug | info (a line per finished request) | warning | error"))
     served_model_name: str | None = field(default=None, metadata=_help(
