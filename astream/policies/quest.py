@@ -10,6 +10,9 @@ of its full KV blocks and always with the first (the attention sink) and the new
 them; the sequence's newest, unfinished block is read whole besides (it is the device
 tail with offload, so both paths read the same pages). The first `dense_layers` layers
 read everything, as in the paper. A budget that covers the context is full attention.
+The reference code is written for multi-head attention (each query head its own pages);
+one selection per KV head reads the budget once per group (docs/BENCHMARKS.md, "Agreement
+with the authors' code").
 
 With offload, `reuse_pages=True` keeps each layer's selected pages on the device from one
 decode step to the next and loads over PCIe only those a row did not hold

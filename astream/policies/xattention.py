@@ -5,7 +5,10 @@ block tile from strided antidiagonals, and each query block reads only the key b
 whose estimated attention reaches `threshold` of its total, plus its first and diagonal
 blocks (astream.ops.xattention). Decode stays Full. `threshold=1.0` is exact full attention.
 With offload, each chunk's prefix comes to the device whole for this (see
-executor/offload_attention.py), so both paths select the same blocks.
+executor/offload_attention.py), so both paths select the same blocks. The scores are the
+reference code's; its selection keeps one block past the threshold on a prompt without a
+prefix, a bookkeeping artifact this rule does not copy (docs/BENCHMARKS.md, "Agreement with
+the authors' code").
 """
 
 from __future__ import annotations
