@@ -2,7 +2,8 @@
 
 Workloads: "random" (prompts of uniform random 100..1024 token ids, outputs uniform
 100..1024 tokens with ignore_eos) and "long-mix" (short requests with a few 16K-token
-prompts among them; the short requests' TTFT is reported apart, which shows fairness).
+prompts among them, which all arrive at the start; the short requests' TTFT is reported
+apart, which shows fairness).
 Requests arrive all at once (--request-rate inf) or as a seeded Poisson process, from
 --clients load processes that share one start time; each process reports its CPU time,
 so a reader can see the client was not the bottleneck. Per run: output tok/s, requests/s,
@@ -533,9 +534,11 @@ def main(argv: list[str] | None = None) -> dict:
             for protocol in args.protocol:
                 run_no += 1
                 requests = workload.requests(args.seed * 1_000_003 + run_no)
-                offsets = arrival_offsets(len(requests), rate, args.seed + run_no)
-                for request, offset in zip(requests, offsets):
-                    request.offset = offset
+                # Long prompts all arrive at the start, the background every short request
+                # meets; short ones arrive at the request rate.
+                offsets = iter(arrival_offsets(len(requests), rate, args.seed + run_no))
+                for request in requests:
+                    request.offset = 0.0 if request.kind == "long" else next(offsets)
                 results, reports, start = run_load(protocol, url, requests, args, model_name)
                 metrics = summarize_run(results, start)
                 errors = sorted({r.error for r in results if r.error})

@@ -24,6 +24,7 @@ If the child dies, every live request ends with an error and new ones are refuse
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import multiprocessing
 import pickle
@@ -392,12 +393,7 @@ def _child_main(sock: socket.socket, model: str | None, options: dict, log_level
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    backend_options = {}
-    try:
-        import uvloop  # noqa: F401
-        backend_options["use_uvloop"] = True
-    except ImportError:
-        pass
+    backend_options = {"use_uvloop": importlib.util.find_spec("uvloop") is not None}
     anyio.run(_serve_parent, sock, model, options, backend="asyncio", backend_options=backend_options)
 
 

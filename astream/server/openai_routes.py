@@ -195,19 +195,27 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
     async def produce(send: Send) -> None:
         shape, lock = ResponseShape(api), anyio.Lock()
         progress = {"prefilled": 0, "total": stream.prompt_tokens, "started": False}
+        beat = anyio.CancelScope()               # the keepalive, until the first token
         # A token without text yet (half a character) sends no chunk: its logprob waits.
         pending: list[list[TokenLogprob]] = [[] for _ in range(api.n)]
         offsets = [0] * api.n                  # completions' text_offset runs on across chunks
 
         async def event(text: str, more: bool = True) -> None:
+            # Only the keepalive sends beside the relay, and only until the first token: after
+            # that no lock, whose acquiring would yield to the loop between queued tokens and
+            # keep their events from leaving in one write.
+            if progress["started"]:
+                await send({"type": "http.response.body", "body": text.encode("utf-8"),
+                            "more_body": more})
+                return
             async with lock:
                 await send({"type": "http.response.body", "body": text.encode("utf-8"),
                             "more_body": more})
 
         async def keepalive() -> None:
-            while not progress["started"]:
-                await anyio.sleep(interval)
-                if not progress["started"]:
+            with beat:
+                while True:
+                    await anyio.sleep(interval)
                     await event(_comment(progress))
 
         def logprobs(choice: int) -> dict | None:
@@ -233,7 +241,10 @@ def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progres
                     progress.update(prefilled=item.prefilled, total=item.total)
                     await event(_comment(progress))
                     continue
-                progress["started"] = True
+                if not progress["started"]:
+                    beat.cancel()
+                    async with lock:             # a comment being written finishes first
+                        progress["started"] = True
                 if item.logprob is not None:
                     pending[item.choice].append(
                         TokenLogprob(item.token_id, item.logprob, item.top_logprobs or ()))
