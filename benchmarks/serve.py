@@ -113,12 +113,17 @@ def summarize(results: list[RequestResult], start: float) -> dict:
 
 def summarize_run(results: list[RequestResult], start: float) -> dict:
     """The whole run, and with long-mix, short and long requests apart (each class's duration
-    ends with its own last request)."""
+    ends with its own last request), and "during": the short requests sent before the last
+    long prompt's first token, which met the long prefills."""
     summary = {"all": summarize(results, start)}
     kinds = {r.kind for r in results}
     if len(kinds) > 1:
         for kind in sorted(kinds, key=("short", "long").index):
             summary[kind] = summarize([r for r in results if r.kind == kind], start)
+        long_firsts = [r.first for r in results if r.kind == "long" and r.first is not None]
+        if long_firsts:
+            during = [r for r in results if r.kind == "short" and r.sent < max(long_firsts)]
+            summary["during"] = summarize(during, start)
     return summary
 
 

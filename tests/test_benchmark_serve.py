@@ -71,7 +71,8 @@ def test_long_mix_reports_short_and_long_requests_apart():
     results = [result(0, 0.0, 0.1, [0.1]), result(1, 0.0, 2.0, [0.1], kind="long"),
                result(2, 0.0, 0.3, [0.1])]
     summary = serve.summarize_run(results, 0.0)
-    assert list(summary) == ["all", "short", "long"]
+    assert list(summary) == ["all", "short", "long", "during"]
+    assert summary["during"]["requests"] == 2       # both short ones were sent before 2.0
     assert summary["short"]["ttft_ms"]["p50"] == pytest.approx(200.0)
     assert summary["long"]["ttft_ms"]["p50"] == pytest.approx(2000.0)
     assert (summary["short"]["duration_s"], summary["all"]["duration_s"]) == (0.4, 2.1)

@@ -24,6 +24,7 @@ If the child dies, every live request ends with an error and new ones are refuse
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
 import logging
 import multiprocessing
@@ -207,6 +208,7 @@ class EngineProcess:
         try:
             await self._ready
             self._tokenizer = await run_off_loop(_load_tokenizer, self.config)
+            gc.freeze()    # what startup made lives as long as the server: full collections skip it
         except BaseException:
             await self.__aexit__(*sys.exc_info())
             raise
@@ -408,6 +410,7 @@ async def _serve_parent(sock: socket.socket, model: str | None, options: dict) -
         link.close()
         return
     try:
+        gc.freeze()        # the model and its tokenizer never die: full collections skip them
         link.send(("ready", engine.stats(), engine.metrics))
         await _Bridge(engine, link).run()
     finally:

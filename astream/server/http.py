@@ -8,7 +8,6 @@ policy: how much a body may hold and how long a client may take to send it.
 
 from __future__ import annotations
 
-import json
 from http import HTTPStatus
 from typing import Awaitable, Callable
 
@@ -16,6 +15,8 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from astream.server.protocol import encode as json_text
 
 
 class BodyError(Exception):
@@ -44,16 +45,6 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     if waited.cancelled_caught:
         raise BodyError(HTTPStatus.REQUEST_TIMEOUT, f"the request body took more than {timeout:g} s")
     return bytes(body)
-
-
-def json_text(payload: dict) -> str:
-    """JSON that is always valid UTF-8 (a lone surrogate is escaped, not sent raw)."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = json.dumps(payload, separators=(",", ":"))
-    return text
 
 
 class JSON(Response):

@@ -250,13 +250,18 @@ def _json_type(value: object) -> str:
 
 # ---- server frames -------------------------------------------------------------------
 
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))   # built once: per token
+_ESCAPED = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(frame: dict) -> str:
-    """A server frame as JSON text that is always valid UTF-8 when sent."""
-    text = json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+    """A server frame (or any JSON payload) as compact JSON text that is always valid UTF-8
+    when sent."""
+    text = _COMPACT.encode(frame)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:               # a lone surrogate: escaped, it is still valid JSON
-        text = json.dumps(frame, separators=(",", ":"))
+        text = _ESCAPED.encode(frame)
     return text
 
 
