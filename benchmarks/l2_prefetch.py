@@ -24,7 +24,7 @@ import triton.language as tl
 
 from common import cuda_times_ms, save  # noqa: I001
 from astream.ops import triton_quest_select as tqs
-from quest_select_sweep import BLOCK, PAGE, inputs
+from quest import PAGE, SWEEP_BLOCK as BLOCK, sweep_inputs as inputs
 
 HIDDEN, Q_DIM, INTER = 2560, 4096, 9728
 

@@ -1,22 +1,23 @@
 """How long a model takes from a fresh process to its first generated token.
 
-Each measurement is a new Python process: `import astream`, build the engine, generate one
-token. "first" starts with an empty tokenizer cache (a GGUF file's tokenizer is converted),
-"again" reuses the cache the first run filled. Prints min / median / max over --repeat runs.
+    python benchmarks/run.py load_time MODEL [--device cuda] [--repeats 3]
 
-    python benchmarks/load_time.py MODEL [--device cuda] [--repeat 3]
+Each run is two new Python processes, each importing astream, building the engine and
+generating one token: the first starts with an empty tokenizer cache (`cold_`: a GGUF
+file's tokenizer is converted), the second reuses the cache the first filled (`warm_`).
+Figures, seconds: `import_s`, `build_s` (engine build until it serves) and `first_token_s`
+(process start to the first token). MODEL defaults to SmolLM2 (as does --smoke).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 
-from common import save  # noqa: I001
+from common import smollm2
 
 CHILD = """
 import json, sys, time
@@ -32,6 +33,10 @@ print(json.dumps({"import_s": imported - start, "build_s": ready - imported,
 """
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="a GGUF file or model folder")
+
+
 def one_load(model: str, device: str, cache_dir: str) -> dict:
     env = {**os.environ, "ASTREAM_CACHE_DIR": cache_dir}
     proc = subprocess.run([sys.executable, "-c", CHILD, model, device], env=env,
@@ -41,29 +46,14 @@ def one_load(model: str, device: str, cache_dir: str) -> dict:
     return {k: round(v, 2) for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
 
 
-def spread(rows: list[dict], key: str) -> str:
-    values = sorted(r[key] for r in rows)
-    return f"{values[0]} / {values[len(values) // 2]} / {values[-1]}"
+def first_and_again(model: str, device: str) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        first = one_load(model, device, cache)
+        again = one_load(model, device, cache)
+    return {**{f"cold_{k}": v for k, v in first.items()},
+            **{f"warm_{k}": v for k, v in again.items()}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("model")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--name", default="load_time")
-    args = parser.parse_args()
-    first, again = [], []
-    for _ in range(args.repeat):
-        with tempfile.TemporaryDirectory() as cache:
-            first.append(one_load(args.model, args.device, cache))
-            again.append(one_load(args.model, args.device, cache))
-            print(first[-1], again[-1], flush=True)
-    for label, rows in (("first", first), ("again", again)):
-        print(f"{label:<6} to first token (s, min / median / max): {spread(rows, 'first_token_s')}"
-              f"   import: {spread(rows, 'import_s')}   engine build: {spread(rows, 'build_s')}")
-    save(args.name, {"model": args.model, "device_arg": args.device, "first": first, "again": again})
-
-
-if __name__ == "__main__":
-    main()
+def cases(options):
+    model = options.model or smollm2()
+    yield {"model": model, "device": options.device}, lambda: first_and_again(model, options.device)

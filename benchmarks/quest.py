@@ -1,40 +1,163 @@
-"""Quest decode speed against Full, resident and with offload, on one engine per mode.
+"""Quest, sparse decode: the engine's step, its kernels, and how its page picks move.
 
-Qwen3-4B shape, random weights, bf16. For each (context, batch) case the prompts are
-prefilled once; then every budget (Full, 1K, 2K, 4K tokens) decodes the same sequences in
-turn: the engine's Quest runtime is given the budget (Full = a budget no context reaches,
-which takes the dense path) and, resident, the CUDA graphs are captured again. Steps are
-timed two ways: synchronously (EngineCore.step with the device synchronized, so a step is
-its whole latency, host work included), and pipelined as the engine's stages run them (the
-next step is scheduled, prepared and launched before the previous one's tokens are read
-back, so host work hides behind the device): the interval between consecutive steps'
-results. With offload, bytes moved per step: ring loads (Full) or gathered pages (with
---reuse-pages, only the pages a row's slots did not already hold).
+    python benchmarks/run.py quest --section SECTION [options]      # --smoke: CPU, tiny shapes
 
-    python benchmarks/quest.py                 # GPU -> quest_speed.json
-    python benchmarks/quest.py --smoke         # CPU, tiny shape
+Sections (the section's own options after its name; defaults in brackets):
+
+- `speed` [default]: decode steps against Full, resident and offloaded, one engine per mode.
+  Qwen3-4B shape, random weights, bf16. For each (context, batch) case the prompts are
+  prefilled once; then every budget (Full, 1K, 2K, 4K tokens) decodes the same sequences in
+  turn: the engine's Quest runtime is given the budget (Full = a budget no context reaches,
+  which takes the dense path) and, resident, the CUDA graphs are captured again. Steps are
+  timed two ways: `step_ms`, synchronously (EngineCore.step with the device synchronized,
+  so a step is its whole latency, host work included), and `pipelined_step_ms`, as the
+  engine's stages run them (the next step is scheduled, prepared and launched before the
+  previous one's tokens are read back, so host work hides behind the device): the interval
+  between consecutive steps' results. With offload, bytes moved per step: ring loads (Full)
+  or gathered pages (with --reuse-pages, only the pages a row's slots did not already hold).
+  --steps [10] timed steps of each kind a run; --cases CTXxBATCH,...; --budgets full,4096;
+  --kv-dtypes auto,fp8_e4m3 (in turn); --skip resident|offload; --layer-kernels
+  reference,triton (in turn); --dense-graphs auto|never (offload Full: a chain of graphs,
+  or the eager ring); --reuse-pages; --eager (no CUDA graphs); --tokenizer DIR.
+- `kernels`: the decode kernels against their torch references, then timings. bf16, the
+  Qwen3-4B/8B attention shape (8 KV heads, 4 query heads each, head_dim 128), page 16, KV
+  block 16. Per (batch, context, budget): the share of the fused selection's pages that the
+  torch reference did not pick (near-ties only), the error of the selected-pages decode
+  (vs torch in fp32), and the times of the selection (fused and torch), the selected decode,
+  the whole Quest step and dense decode (CUDA events, --reps [50] calls a run). Also: bounds
+  maintenance exact, all-pages selection == dense decode, a CUDA-graph replay of the Quest
+  step, and the page gather from a pinned host pool (zero-copy) and from device memory, in
+  GB/s. Error = max|x - ref| / max|ref|; a row with an error >= 1e-2 or a failed check fails
+  the run (exit 1).
+- `kernel_sweep`: the page-scores kernel by pages per program and warps, and attention over
+  the selected pages by split count ("auto": the engine's launch), each checked against the
+  engine's launch (`same`, `err`). --contexts [32768,131072] --batches [1,4] --budget [4096]
+  --reps [20].
+- `layouts`: the page-scores kernel per layout of the bounds in memory, each call on another
+  copy (the bounds come from HBM, as a step's layers read them), at the engine's tile.
+- `select_sweep`: the page selection (scores plus picks) per warp count of the select
+  kernel, and with half the register head it picks (the rest of the row re-read from L2 on
+  every step); `same_pages` against the first variant. --contexts
+  [32768,99840,131072,199936] (whole blocks; 99,840 and 199,936 tokens are rows between
+  two powers of two) --batches [1,4] --budget [4096] --reps [20].
+  kernel_sweep, layouts and select_sweep: a Qwen3-4B-shaped layer (8 KV heads, 4 query
+  heads each, head dim 128, bf16 bounds, KV block 256), each call replayed from a CUDA
+  graph of 20 calls, so a figure is GPU time, in us per call (one value per replay). Without
+  CUDA they time the torch reference of the op once per case (variant "reference"), which
+  checks the section's inputs and nothing of the kernels' speed.
+- `locality`: how much of the page selection carries over from one decode step to the next.
+  With offload every page a step selects crosses PCIe, even one the previous step read too;
+  this measures what a device-side cache of last step's pages could save: per decode step
+  after the first, per layer and KV head, the share of the selected pages that the same
+  layer and head selected one step before (sink and recent pages included, as a step
+  gathers them). `carried_over` has one value per step; `carried_over_mean` is their mean.
+  One sequence, greedy, resident and eager. A real model (--model FILE) reads a natural-text
+  prompt (filler sentences, then a question about them); a shape name (--model qwen3-4b;
+  --smoke: tiny) reads random tokens. --ctx [16384] (a list) --budgets [1024,2048,4096] --steps [48]
+  --tokenizer DIR.
+- `profile`: where a Quest decode step's time goes: the torch profiler over 4 synchronous
+  steps, its tables printed; `step_ms` of those steps. Qwen3-4B shape. --ctx [32768]
+  --budget [2048] --offload --eager --tokenizer DIR.
+- `reuse`: on a real model with offload, decode steps without and with `reuse_pages`
+  (figures `..._off` and `..._on`). A random-weight shape picks pages with little overlap
+  from one step to the next; a real model reading natural text keeps most of them
+  (`locality`). Each run builds a fresh engine per variant, prefills, then times decode
+  steps (synchronous and pipelined, as `speed`) and counts the pages read and loaded per
+  step; the two variants alternate within a run, so each repeat measures both on the same
+  machine state. --model FILE --ctx [32000] --budget [4096] --steps [32]; use --repeats 3.
+  (--smoke without --model: the tiny shape, random weights, SmolLM2's tokenizer.)
+
+A run of `speed` with --repeats 1 reports min / median / max of its --steps steps, as one
+run of the engine.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
+import random
+import statistics
 import time
+from contextlib import contextmanager
+from functools import partial
+from typing import Iterator
 
 import torch
 
-from common import engine_core, percentile, save, shaped_model, smollm2  # noqa: I001
+from common import cuda_times_ms, engine_core, shaped_model, smollm2  # noqa: I001
 from astream.config import EngineConfig
 from astream.core import EngineCore
-from astream.executor.build import build_graphs
-from astream.ops.layer_kernels import LayerKernels
 from astream.policies import QuestPolicy
 from astream.sampling import SamplingParams
 
+SECTIONS = ("speed", "kernels", "kernel_sweep", "layouts", "select_sweep", "locality", "profile",
+            "reuse")
 FULL = 1 << 40                                   # a budget no context reaches: the dense path
 PAGE_ELEMENTS = 16 * 128 * 2                     # one KV head's page: 16 tokens x 128 x K,V
+KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16       # the Qwen3-4B/8B attention shape, Quest's page
+KERNEL_BLOCK, HOST_BLOCK = 16, 256               # `kernels`: KV block; gather's host pool block
+SWEEP_BLOCK = 256                                # the sweeps: KV block, as the engine's at 128K
+ERR_LIMIT = 1e-2
 
+# Defaults that differ by section (None in the parser).
+DEFAULTS = {
+    "speed": dict(steps=10),
+    "kernels": dict(reps=50),
+    "kernel_sweep": dict(contexts="32768,131072", batches="1,4", budget=4096, reps=20),
+    "layouts": dict(contexts="32768,131072", batches="1,4", budget=4096, reps=20),
+    "select_sweep": dict(contexts="32768,99840,131072,199936", batches="1,4", budget=4096,
+                         reps=20),
+    "locality": dict(ctx="16384", budgets="1024,2048,4096", steps=48),
+    "profile": dict(ctx="32768", budget=2048),
+    "reuse": dict(ctx="32000", budget=4096, steps=32),
+}
+SMOKE = {
+    "speed": dict(steps=3),
+    "kernels": dict(reps=3),
+    "kernel_sweep": dict(contexts="512", batches="1,2", budget=128, reps=3),
+    "layouts": dict(contexts="512", batches="2", budget=128, reps=3),
+    "select_sweep": dict(contexts="512,1280", batches="2", budget=128, reps=3),
+    "locality": dict(ctx="600", budgets="128", steps=6),
+    "profile": dict(ctx="256", budget=64),
+    "reuse": dict(ctx="600", budget=64, steps=4),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--section", default="speed", choices=SECTIONS)
+    parser.add_argument("--steps", type=int, default=None, help="decode steps timed a run")
+    parser.add_argument("--cases", default="", help="speed: CTXxBATCH cases, e.g. 4096x1,131072x1")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--budgets", default=None, help="speed: e.g. full,4096; locality: 1024,2048")
+    parser.add_argument("--budget", type=int, default=None, help="one budget, tokens")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    parser.add_argument("--kv-dtypes", default="auto", help="speed: KV dtypes in turn, e.g. auto,fp8_e4m3")
+    parser.add_argument("--layer-kernels", default="",
+                        help="speed: decoder kernels in turn, e.g. reference,triton "
+                             "(default: the engine's own choice)")
+    parser.add_argument("--dense-graphs", default="auto",
+                        help="speed, offload Full: auto (a chain of graphs) or never (the eager "
+                             "ring), or both in turn: never,auto")
+    parser.add_argument("--skip", default="", help="speed: resident and/or offload")
+    parser.add_argument("--reuse-pages", action="store_true",
+                        help="speed, offload: keep selected pages on the device between steps")
+    parser.add_argument("--offload", action="store_true", help="profile: offload the KV cache")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls of a kernel a run")
+    parser.add_argument("--contexts", default=None, help="the kernel sections' contexts")
+    parser.add_argument("--batches", default=None, help="the kernel sections' batch sizes")
+    parser.add_argument("--ctx", default=None, help="locality, profile, reuse: context tokens")
+    parser.add_argument("--model", default=None,
+                        help="locality, reuse: a GGUF file or model folder, or a shape name")
+
+
+def cases(options) -> Iterator[tuple[dict, object]]:
+    for key, value in (SMOKE if options.smoke else DEFAULTS).get(options.section, {}).items():
+        if getattr(options, key) is None:
+            setattr(options, key, value)
+    return SECTION_CASES[options.section](options)
+
+
+# ---------------------------------------------------------------- the engine's decode step
 
 def decode_steps(core: EngineCore, steps: int) -> list[float]:
     times = []
@@ -68,6 +191,8 @@ def pipelined_steps(core: EngineCore, steps: int) -> list[float]:
 
 
 def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto") -> None:
+    from astream.executor.build import build_graphs
+    from astream.ops.layer_kernels import LayerKernels
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers,
                                  reuse_pages=runtime.policy.reuse_pages)
@@ -82,150 +207,736 @@ def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = 
         core.runner.graphs = None
 
 
-def one_case(core: EngineCore, ctx: int, batch: int, budgets: list[int], steps: int, seed: int,
-             kernel_sets: list[str], dense_graphs: str) -> list:
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
-    sinks = [core.add_request(f"c{seed}-{i}", torch.randint(100, 49152, (ctx,), generator=gen).tolist(),
-                              params) for i in range(batch)]
-    start = time.perf_counter()
-    while not all(sink.tokens for sink in sinks):
-        core.step()
-    core.runtime.synchronize()
-    prefill_s = time.perf_counter() - start
-    rows = []
-    for kernels in kernel_sets:
-        for budget in budgets:
-            set_budget(core, budget, kernels, dense_graphs)
-            decode_steps(core, 2)                                # warm-up (and Triton compiles)
-            before = core.stats()
-            times = decode_steps(core, steps)
-            after = core.stats()
-            pipelined = pipelined_steps(core, steps + 1)
-            rows.append({**row(ctx, batch, budget, times, before, after, steps, prefill_s),
-                         **spread("pipelined_step_ms", pipelined),
-                         "layer_kernels": kernels, "dense_graphs": dense_graphs,
-                         "graph_steps": after["graph_steps"] - before["graph_steps"]})
-            print(rows[-1], flush=True)
-    for i in range(batch):
-        core.abort(f"c{seed}-{i}")
-    return rows
+def ms(times: list[float]) -> list[float]:
+    return [round(t * 1e3, 3) for t in times]
 
 
-def row(ctx, batch, budget, times, before, after, steps, prefill_s) -> dict:
+def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
+    before = core.stats()
+    times = decode_steps(core, steps)
+    after = core.stats()
+    pipelined = pipelined_steps(core, steps + 1)
     loaded = after.get("offload_bytes_loaded", 0) - before.get("offload_bytes_loaded", 0)
     counter = "quest_pages_loaded" if any(after.get("quest_pages_loaded", [])) else "quest_pages_read"
     pages = sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
     element = 1 if after["kv_cache_dtype"].startswith("float8") else 2
     gathered = pages * PAGE_ELEMENTS * element if after["offload"] else 0
-    return {"context": ctx, "batch": batch, "budget": "full" if budget == FULL else budget,
-            "kv": after["kv_cache_dtype"], **spread("step_ms", times),
+    return {"step_ms": ms(times), "pipelined_step_ms": ms(pipelined),
             "bytes_loaded_per_step": loaded // steps, "bytes_gathered_per_step": gathered // steps,
-            "prefill_s": round(prefill_s, 2)}
+            "info": {"graph_steps": after["graph_steps"] - before["graph_steps"],
+                     "prefill_s": round(prefill_s, 2)}}
 
 
-def spread(key: str, times: list[float]) -> dict:
-    """{key_min, key, key_max} in ms: min, median and max of `times` (seconds)."""
-    return {f"{key}_min": round(min(times) * 1e3, 2), key: round(percentile(times, 50) * 1e3, 2),
-            f"{key}_max": round(max(times) * 1e3, 2)}
-
-
-def run_mode(config: EngineConfig, cases, budgets, steps, kernel_sets,
-             dense_graphs: str = "auto") -> list:
+def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: int,
+                       kernel_sets: list[str], dense_graphs: str):
     with engine_core(config) as core:
-        rows = []
-        for i, (ctx, batch) in enumerate(cases):
-            rows += one_case(core, ctx, batch, budgets, steps, i, kernel_sets or
-                             [core.runner.decoder.kernels.name], dense_graphs)
-        return rows
+        kv = core.stats()["kv_cache_dtype"]
+        params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+        for seed, (ctx, batch) in enumerate(shapes):
+            gen = torch.Generator().manual_seed(seed)
+            ids = [f"c{seed}-{i}" for i in range(batch)]
+            sinks = [core.add_request(rid, torch.randint(100, 49152, (ctx,), generator=gen).tolist(),
+                                      params) for rid in ids]
+            start = time.perf_counter()
+            while not all(sink.tokens for sink in sinks):
+                core.step()
+            core.runtime.synchronize()
+            prefill_s = time.perf_counter() - start
+            for kernels in kernel_sets or [core.runner.decoder.kernels.name]:
+                for budget in budgets:
+                    set_budget(core, budget, kernels, dense_graphs)
+                    decode_steps(core, 2)                        # warm-up (and Triton compiles)
+                    yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
+                            "budget": "full" if budget == FULL else budget,
+                            "layer_kernels": kernels, "dense_graphs": dense_graphs},
+                           partial(measure_steps, core, steps, prefill_s))
+            for rid in ids:
+                core.abort(rid)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--skip", default="", help="resident and/or offload")
-    parser.add_argument("--cases", default="", help="these CTXxBATCH cases instead, e.g. 4096x1,131072x1")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
-    parser.add_argument("--budgets", default="", help="only these budgets, e.g. full,4096")
-    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
-    parser.add_argument("--kv-dtypes", default="auto",
-                        help="KV cache dtypes to run in turn, e.g. auto,fp8_e4m3")
-    parser.add_argument("--layer-kernels", default="",
-                        help="decoder kernels to run in turn on each engine, e.g. reference,triton "
-                             "(default: the engine's own choice)")
-    parser.add_argument("--dense-graphs", default="auto",
-                        help="offload Full: auto (the engine's rule: a chain of graphs) or never "
-                             "(the eager ring), or both in turn: never,auto")
-    parser.add_argument("--reuse-pages", action="store_true",
-                        help="offload: keep selected pages on the device between steps")
-    parser.add_argument("--name", default=None, help="results file name")
-    args = parser.parse_args()
-    kernel_sets = [k for k in args.layer_kernels.split(",") if k]
-    smoke = args.smoke
+def speed_cases(o):
+    smoke = o.smoke
     shape, max_pos = ("tiny", 4096) if smoke else ("qwen3-4b", 131072 + 1024)
     budgets = [FULL, 64, 128] if smoke else [FULL, 1024, 2048, 4096]
-    if args.budgets:
-        budgets = [FULL if b == "full" else int(b) for b in args.budgets.split(",")]
+    if o.budgets:
+        budgets = [FULL if b == "full" else int(b) for b in o.budgets.split(",")]
+    kernel_sets = [k for k in o.layer_kernels.split(",") if k]
     # Page reuse's device buffers are planned from the policy the engine starts with: the
     # largest budget timed (set_budget changes it between runs).
-    planned = max((b for b in budgets if b != FULL), default=FULL) if args.reuse_pages else FULL
+    planned = max((b for b in budgets if b != FULL), default=FULL) if o.reuse_pages else FULL
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
-                tokenizer=args.tokenizer or smollm2(), device="cpu" if smoke else "cuda",
-                dtype="float32" if smoke else "bfloat16", max_num_seqs=4, max_model_len=max_pos,
+                tokenizer=o.tokenizer or smollm2(), device=o.device,
+                dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
+                max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
-                                          reuse_pages=args.reuse_pages),
-                max_num_batched_tokens=16384, enforce_eager=args.eager)
+                                          reuse_pages=o.reuse_pages),
+                max_num_batched_tokens=16384, enforce_eager=o.eager)
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
-    if args.cases:
-        resident_cases = offload_cases = [tuple(map(int, case.split("x"))) for case in args.cases.split(",")]
-    steps = 3 if smoke else args.steps
-    name = args.name or ("quest_speed_eager" if args.eager else "quest_speed")
-    results = {"shape": shape, "steps_timed": steps, "resident": [], "offload": []}
-    for kv in args.kv_dtypes.split(","):
+    if o.cases:
+        resident_cases = offload_cases = [tuple(map(int, c.split("x"))) for c in o.cases.split(",")]
+    for kv in o.kv_dtypes.split(","):
         kv_base = {**base, "kv_cache_dtype": kv}
-        if "resident" not in args.skip:
+        if "resident" not in o.skip:
             # Page reuse is for offload (it raises without it): resident runs leave it off.
             resident = {**kv_base, "sparse_policy": dataclasses.replace(base["sparse_policy"],
                                                                         reuse_pages=False)}
-            results["resident"] += run_mode(EngineConfig(**resident), resident_cases, budgets, steps,
-                                           kernel_sets)
-            save(name, results, smoke=smoke)
-        if "offload" not in args.skip:
+            yield from engine_speed_cases(EngineConfig(**resident), "resident", resident_cases,
+                                          budgets, o.steps, kernel_sets, "auto")
+        if "offload" not in o.skip:
             block = 16 if smoke else 256
             pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
             cfg = EngineConfig(**{**kv_base, "offload": True, "num_kv_blocks": pool,
                                   **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
-            for dense in args.dense_graphs.split(","):
-                results["offload"] += run_mode(cfg, offload_cases, budgets, steps, kernel_sets,
-                                               dense)
-            save(name, results, smoke=smoke)
-    summarize(results)
+            for dense in o.dense_graphs.split(","):
+                yield from engine_speed_cases(cfg, "offload", offload_cases, budgets, o.steps,
+                                              kernel_sets, dense)
 
 
-def summarize(results: dict) -> None:
-    """Ratios are to the resident Full step of the run's first KV dtype, same layer kernels,
-    timed the same way (synchronous or pipelined)."""
-    first = next((r["kv"] for r in results.get("resident", [])), None)
-    resident = {(r["context"], r["batch"], r["layer_kernels"]): r
-                for r in results.get("resident", []) if r["budget"] == "full" and r["kv"] == first}
+def summarize(result: dict) -> None:
+    """`speed`: each row's medians as a ratio to the resident Full step of the run's first KV
+    dtype, same layer kernels, timed the same way (synchronous or pipelined)."""
+    if result["options"].get("section") != "speed":
+        return
+    rows = result["rows"]
+    first = next((r["params"]["kv"] for r in rows if r["params"]["mode"] == "resident"), None)
+    full = {(r["params"]["context"], r["params"]["batch"], r["params"]["layer_kernels"]): r
+            for r in rows if r["params"]["mode"] == "resident" and r["params"]["budget"] == "full"
+            and r["params"]["kv"] == first}
+    print(f"\nmedian ms and x resident Full ({first})")
     print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}"
-          f"{'sync ms (min/med/max)':>24}{'x Full':>8}{'pipelined ms':>24}{'x Full':>8}"
-          f"{'loaded MB':>11}{'gathered MB':>12}{'graph':>7}{'dense':>8}")
-    for mode in ("resident", "offload"):
-        for r in results.get(mode, []):
-            ref = resident.get((r["context"], r["batch"], r["layer_kernels"]))
-            cells = ""
-            for key in ("step_ms", "pipelined_step_ms"):
-                ratio = f"{r[key] / ref[key]:.2f}" if ref and key in r and key in ref else "-"
-                cells += f"{r.get(key + '_min')}/{r.get(key)}/{r.get(key + '_max')}".rjust(24)
-                cells += ratio.rjust(8)
-            print(f"{mode:<9}{r['layer_kernels']:>10}{r['kv']:>14}{r['context']:>8}{r['batch']:>6}"
-                  f"{str(r['budget']):>7}{cells}"
-                  f"{r['bytes_loaded_per_step'] / 1e6:>11.1f}{r['bytes_gathered_per_step'] / 1e6:>12.1f}"
-                  f"{r.get('graph_steps', 0):>7}{r.get('dense_graphs', '-'):>8}")
+          f"{'sync':>10}{'x Full':>8}{'pipelined':>11}{'x Full':>8}")
+    for r in rows:
+        p, f = r["params"], r["figures"]
+        ref = full.get((p["context"], p["batch"], p["layer_kernels"]))
+        cells = ""
+        for key, width in (("step_ms", 10), ("pipelined_step_ms", 11)):
+            median = f[key]["median"]
+            ratio = f"{median / ref['figures'][key]['median']:.2f}" if ref else "-"
+            cells += f"{median:>{width}.2f}{ratio:>8}"
+        print(f"{p['mode']:<9}{p['layer_kernels']:>10}{p['kv']:>14}{p['context']:>8}"
+              f"{p['batch']:>6}{str(p['budget']):>7}{cells}")
 
 
-if __name__ == "__main__":
-    main()
+# ---------------------------------------------------------------- kernels, against torch
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    ok = torch.isfinite(ref)
+    if not torch.equal(ok, torch.isfinite(x)):
+        return 1.0
+    return ((x - ref)[ok].abs().max() / ref[ok].abs().max().clamp_min(1e-6)).item()
+
+
+def times_us(fn, reps: int) -> list[float]:
+    """Microseconds of each of `reps` calls after warm-up: CUDA events recorded back to back
+    on a GPU, wall time of each call elsewhere."""
+    for _ in range(3):
+        fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        return times
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for begin, end in events:
+        begin.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [b.elapsed_time(e) * 1e3 for b, e in events]
+
+
+def make_case(batch: int, ctx: int, dev: str, gen: torch.Generator) -> dict:
+    """Shuffled paged bf16 caches of `batch` sequences of `ctx` tokens, and their bounds."""
+    from astream.ops import quest
+    from astream.ops.quest_select import physical_page_ids
+    per_seq = -(-ctx // KERNEL_BLOCK)
+    shape = (batch * per_seq, KERNEL_BLOCK, KV_HEADS, DIM)
+    k = torch.randn(shape, device=dev, generator=gen).bfloat16()
+    v = torch.randn(shape, device=dev, generator=gen).bfloat16()
+    tables = torch.randperm(batch * per_seq, device=dev, generator=gen).view(batch, -1).int()
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    kmin, kmax = quest.allocate_page_bounds(shape[0], KERNEL_BLOCK, KV_HEADS, DIM, dtype=k.dtype,
+                                            device=dev)
+    quest.store_block_bounds(kmin, kmax, k, torch.arange(shape[0], device=dev))
+    ids, num = physical_page_ids(tables, lens, max_pages=per_seq * KERNEL_BLOCK // PAGE,
+                                 block_size=KERNEL_BLOCK)
+    q = torch.randn(batch, KV_HEADS * GROUP, DIM, device=dev, generator=gen).bfloat16()
+    return dict(q=q, k=k, v=v, tables=tables, lens=lens, kmin=kmin, kmax=kmax, ids=ids, num=num)
+
+
+def select(c: dict, budget: int, fn=None):
+    from astream.ops.quest_select import select_decode_pages
+    return (fn or select_decode_pages)(
+        c["q"], c["kmin"], c["kmax"], c["tables"], c["lens"], max_pages=c["ids"].shape[1],
+        block_size=KERNEL_BLOCK, page_size=PAGE, budget_pages=budget)
+
+
+def quest_step(c: dict, budget: int):
+    """Selection -> selected decode: one layer's Quest decode."""
+    from astream.ops import quest
+    pages, counts, _ = select(c, budget)
+    return quest.paged_decode_selected(c["q"], c["k"], c["v"], c["tables"], pages, counts,
+                                       c["lens"], page_size=PAGE, scale=DIM ** -0.5)
+
+
+def dense_decode(c: dict, max_ctx: int):
+    from astream.ops.backends import AttentionBackends
+    backends = AttentionBackends.select(c["q"].device, c["q"].dtype, DIM)
+    return backends.paged_decode(c["q"], c["k"], c["v"], c["tables"], c["lens"],
+                                 scale=DIM ** -0.5, max_context_len=max_ctx)
+
+
+def mismatch(got, want) -> float:
+    """Share of picked pages one selection has and the other has not."""
+    differ = total = 0
+    for b, h in ((b, h) for b in range(got.counts.shape[0]) for h in range(got.counts.shape[1])):
+        n = int(got.counts[b, h])
+        mine, theirs = set(got.indices[b, h, :n].tolist()), set(want.indices[b, h, :n].tolist())
+        differ, total = differ + len(mine - theirs), total + n
+    return differ / max(total, 1)
+
+
+def decode_row(c: dict, budget: int, reps: int) -> dict:
+    from astream.ops import quest
+    from astream.ops.quest_select import select_decode_pages_ref
+    q = c["q"]
+    chosen = select(c, budget)
+    args = (q, c["k"], c["v"], c["tables"], chosen.indices, chosen.counts, c["lens"])
+    kw = dict(page_size=PAGE, scale=DIM ** -0.5)
+    out, lse = quest.paged_decode_selected(*args, **kw)
+    ref_out, ref_lse = quest.paged_decode_selected_ref(q.float(), *args[1:], **kw)
+    max_ctx = c["ids"].shape[1] * PAGE
+    errors = {"select_mismatch": mismatch(chosen, select(c, budget, select_decode_pages_ref)),
+              "err_out": rel_err(out, ref_out), "err_lse": rel_err(lse, ref_lse)}
+    return {**errors, "ok": max(errors.values()) < ERR_LIMIT,
+            "select_us": times_us(lambda: select(c, budget), reps),
+            "select_ref_us": times_us(lambda: select(c, budget, select_decode_pages_ref), reps),
+            "selected_us": times_us(lambda: quest.paged_decode_selected(*args, **kw), reps),
+            "step_us": times_us(lambda: quest_step(c, budget), reps),
+            "dense_us": times_us(lambda: dense_decode(c, max_ctx), reps)}
+
+
+def all_pages_row(c: dict) -> dict:
+    """A budget covering the context: the Quest step must equal dense decode."""
+    n_pages = c["ids"].shape[1]
+    out, lse = quest_step(c, n_pages)
+    ref = dense_decode(c, n_pages * PAGE)
+    err = max(rel_err(out, ref[0]), rel_err(lse, ref[1]))
+    return {"err": err, "ok": err < ERR_LIMIT}
+
+
+def bounds_row(dev: str, gen: torch.Generator) -> dict:
+    """Prefill in chunks then decode tokens through update_page_bounds == whole-block bounds."""
+    from astream.ops import quest
+    blocks, n_tok = 64, 64 * KERNEL_BLOCK - 5
+    keys = torch.randn(blocks * KERNEL_BLOCK, KV_HEADS, DIM, device=dev, generator=gen).bfloat16()
+    kmin, kmax = quest.allocate_page_bounds(blocks, KERNEL_BLOCK, KV_HEADS, DIM, dtype=keys.dtype,
+                                            device=dev)
+    slots = torch.randperm(blocks, device=dev, generator=gen).repeat_interleave(KERNEL_BLOCK) \
+        * KERNEL_BLOCK + torch.arange(KERNEL_BLOCK, device=dev).repeat(blocks)
+    for lo, hi in ((0, 300), (300, n_tok - 40)):
+        quest.update_page_bounds(kmin, kmax, keys[lo:hi], slots[lo:hi])
+    for t in range(n_tok - 40, n_tok):
+        quest.update_page_bounds(kmin, kmax, keys[t:t + 1], slots[t:t + 1])
+    cache = torch.zeros(blocks * KERNEL_BLOCK, KV_HEADS, DIM, device=dev, dtype=keys.dtype)
+    cache[slots[:n_tok]] = keys[:n_tok]
+    valid = torch.zeros(blocks * KERNEL_BLOCK, dtype=torch.int64, device=dev)
+    valid[slots[:n_tok]] = 1
+    per_block = valid.view(blocks, KERNEL_BLOCK).sum(1)
+    lo, hi = quest.bounds_of_blocks(cache.view(blocks, KERNEL_BLOCK, KV_HEADS, DIM), PAGE, per_block)
+    exact = bool(torch.equal(lo, kmin) and torch.equal(hi, kmax))
+    return {"exact": exact, "ok": exact}
+
+
+def graph_row(c: dict, budget: int) -> dict:
+    """Capture the Quest step in a CUDA graph, shorten the contexts, replay, compare."""
+    quest_step(c, budget)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = quest_step(c, budget)
+    new_lens = (c["lens"] // 3 + torch.arange(len(c["lens"]), device="cuda")).int()
+    c["lens"].copy_(new_lens)
+    c["num"].copy_((new_lens + PAGE - 1) // PAGE)
+    graph.replay()
+    ref_out, ref_lse = quest_step(c, budget)
+    err = max(rel_err(out, ref_out), rel_err(lse, ref_lse))
+    return {"err": err, "ok": err < ERR_LIMIT}
+
+
+def gather_cases(batch: int, budgets: list[int], host_blocks: int, reps: int, dev: str,
+                 gen: torch.Generator):
+    """Zero-copy page gather from a pinned head-major host pool, and from device memory."""
+    from astream.ops import quest
+    from astream.runtime.pinned import PinnedHostTensor
+    shape = (2, host_blocks, KV_HEADS, HOST_BLOCK, DIM)
+    pool = PinnedHostTensor(shape, torch.bfloat16, pin=dev == "cuda")
+    try:
+        pool.tensor.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(0)))
+        sources = {"pinned_host": pool.tensor, "device": pool.tensor.to(dev)}
+        for budget in budgets:
+            n_pages = host_blocks * HOST_BLOCK // PAGE
+            page_src = torch.randint(0, n_pages, (batch, KV_HEADS, budget), device=dev, generator=gen)
+            counts = torch.full((batch, KV_HEADS), budget, dtype=torch.int32, device=dev)
+            dst = torch.empty(2, batch, KV_HEADS, budget * PAGE, DIM, dtype=torch.bfloat16, device=dev)
+            want = torch.empty_like(dst)
+            quest.gather_pages_ref(sources["device"][0], sources["device"][1], page_src, *want, counts)
+            for where, src in sources.items():
+                yield ({"part": "gather", "source": where, "batch": batch, "budget_pages": budget},
+                       partial(gather_row, src, page_src, dst, want, counts, reps))
+    finally:
+        pool.release()
+
+
+def gather_row(src, page_src, dst, want, counts, reps: int) -> dict:
+    from astream.ops import quest
+
+    def run():
+        quest.gather_pages(src[0], src[1], page_src, *dst, counts)
+    try:
+        dst.zero_()
+        run()
+        us = times_us(run, reps)
+    except Exception as exc:  # e.g. Triton refusing a host pointer: report, go on
+        return {"exact": False, "ok": False, "error": repr(exc)}
+    exact = bool(torch.equal(dst, want))
+    nbytes = dst.numel() * dst.element_size()
+    return {"us": us, "gbps": [nbytes / (t * 1e-6) / 1e9 for t in us], "exact": exact, "ok": exact}
+
+
+def kernels_cases(o):
+    dev = o.device
+    contexts, batches, budgets = ([100, 300], [2], [4, 8]) if o.smoke else \
+        ([4096, 32768, 131072], [1, 4], [64, 256, 1024])
+    contexts = [int(c) for c in o.contexts.split(",")] if o.contexts else contexts
+    batches = [int(b) for b in o.batches.split(",")] if o.batches else batches
+    gen = torch.Generator(device=dev).manual_seed(0)
+    yield {"part": "bounds"}, partial(bounds_row, dev, gen)
+    for batch in batches:
+        for ctx in contexts:
+            case = make_case(batch, ctx, dev, gen)
+            for budget in budgets:
+                yield ({"part": "decode", "batch": batch, "ctx": ctx, "budget": budget},
+                       partial(decode_row, case, budget, o.reps))
+            del case
+    yield {"part": "all_pages"}, partial(all_pages_row, make_case(2, contexts[-1] // 2, dev, gen))
+    if dev.startswith("cuda"):
+        yield ({"part": "graph_replay"},
+               partial(graph_row, make_case(4, contexts[min(1, len(contexts) - 1)], dev, gen),
+                       budgets[-1]))
+    yield from gather_cases(batches[-1], budgets, 4 if o.smoke else 512, o.reps, dev, gen)
+
+
+# ---------------------------------------------------------------- kernel launch sweeps
+
+def sweep_inputs(context: int, batch: int, seed: int, device: str = "cuda") -> tuple:
+    """q, bounds, block tables and lengths of `batch` rows of `context` tokens (KV block 256)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = -(-context // SWEEP_BLOCK) + 1
+    pages = batch * blocks * (SWEEP_BLOCK // PAGE)
+    center = torch.randn(pages, KV_HEADS, DIM, generator=gen, device=device)
+    spread = torch.rand(pages, KV_HEADS, DIM, generator=gen, device=device)
+    kmin, kmax = (center - spread).bfloat16(), (center + spread).bfloat16()
+    tables = torch.randperm(batch * blocks, generator=gen, device=device).view(batch, blocks).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, KV_HEADS * GROUP, DIM, generator=gen, device=device).bfloat16()
+    return q, kmin, kmax, tables, lens
+
+
+def sweep_shapes(o) -> Iterator[tuple[int, int, tuple, int]]:
+    """(context, batch, inputs, max pages of a row) for each case of --contexts x --batches."""
+    for context in map(int, o.contexts.split(",")):
+        for batch in map(int, o.batches.split(",")):
+            max_pages = -(-context // SWEEP_BLOCK) * (SWEEP_BLOCK // PAGE) + SWEEP_BLOCK // PAGE
+            yield context, batch, sweep_inputs(context, batch, context + batch, o.device), max_pages
+
+
+def call(data, budget_pages: int, max_pages: int, warps: int | None, head_limit: int | None = None):
+    """The engine's selection (Triton) at `warps` and register head `head_limit`."""
+    from astream.ops import triton_quest_select as tqs
+    return tqs.select_decode_pages_triton(
+        *data, max_pages=max_pages, block_size=SWEEP_BLOCK, page_size=PAGE,
+        budget_pages=budget_pages, sink_pages=1, recent_pages=2, gqa_reduce="max",
+        append_newest=True, physical=True, counters=None, select_warps=warps,
+        max_row_in_registers=head_limit or tqs.MAX_ROW_IN_REGISTERS)
+
+
+def call_ref(data, budget_pages: int, max_pages: int):
+    from astream.ops.quest_select import select_decode_pages_ref
+    return select_decode_pages_ref(
+        *data, max_pages=max_pages, block_size=SWEEP_BLOCK, page_size=PAGE,
+        budget_pages=budget_pages, sink_pages=1, recent_pages=2, gqa_reduce="max",
+        append_newest=True, physical=True)
+
+
+def graph_us(fn, reps: int) -> list[float]:
+    """Microseconds a call: `reps` replays of a CUDA graph of 20 calls, each divided by 20."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    return [round(t * 1e3 / 20, 2) for t in cuda_times_ms(graph.replay, reps)]
+
+
+def wall_us(fn, reps: int) -> list[float]:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(round((time.perf_counter() - start) * 1e6, 1))
+    return times
+
+
+def triton_here(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.is_available()
+
+
+def reference_row(fn, reps: int) -> dict:
+    return {"us": wall_us(fn, reps), "info": {"note": "torch reference, wall time: no CUDA"}}
+
+
+def scores(q, kmin, kmax, tables, lens, max_pages: int, block_p: int, warps: int) -> torch.Tensor:
+    import triton
+
+    from astream.ops import triton_quest_select as tqs
+    from astream.ops.triton_quest import group_tile
+    out = torch.empty(q.shape[0], KV_HEADS, max_pages, dtype=torch.float32, device=q.device)
+    use_dot, group_pad = group_tile(GROUP, DIM, None)
+    tqs._table_scores_kernel[(q.shape[0], KV_HEADS, triton.cdiv(max_pages, block_p))](
+        q, kmin, kmax, tables, lens, out, q.stride(0), q.stride(1), kmin.stride(0),
+        kmin.stride(1), kmax.stride(0), kmax.stride(1), tables.stride(0), out.stride(0),
+        out.stride(1), GROUP=GROUP, GROUP_PAD=group_pad, HEAD_DIM=DIM, D_PAD=DIM, BLOCK_P=block_p,
+        PAGE=PAGE, PPB=SWEEP_BLOCK // PAGE, USE_DOT=use_dot, PRECISION="tf32", SUM_GROUP=False,
+        num_warps=warps)
+    return out
+
+
+def scores_ref(data, max_pages: int):
+    from astream.ops.quest_select import page_scores_ref, physical_page_ids
+    q, kmin, kmax, tables, lens = data
+    ids, num = physical_page_ids(tables, lens, max_pages=max_pages, block_size=SWEEP_BLOCK)
+    return page_scores_ref(q, kmin, kmax, ids, num)
+
+
+def selected_inputs(data, budget: int, max_pages: int, triton: bool = True) -> tuple:
+    q, kmin, kmax, tables, lens = data
+    pages, counts, _ = (call(data, budget, max_pages, None) if triton
+                        else call_ref(data, budget, max_pages))
+    k = torch.randn(q.shape[0] * tables.shape[1], SWEEP_BLOCK, KV_HEADS, DIM, device=q.device).bfloat16()
+    v = torch.randn_like(k)
+    full_lens = lens + PAGE * (SWEEP_BLOCK // PAGE)             # the newest block read whole
+    return q, k, v, tables, pages, counts, full_lens
+
+
+def attend(args, splits):
+    from astream.ops.triton_quest import paged_decode_selected_triton
+    return paged_decode_selected_triton(*args, page_size=PAGE, scale=DIM ** -0.5,
+                                        num_splits=splits)[0]
+
+
+def scores_row(data, max_pages: int, block_p: int, warps: int, reps: int) -> dict:
+    from astream.ops import triton_quest_select as tqs
+    base = scores(*data, max_pages, tqs.SCORE_BLOCK_P, 4)
+    same = torch.equal(scores(*data, max_pages, block_p, warps), base)
+    return {"us": graph_us(lambda: scores(*data, max_pages, block_p, warps), reps), "same": same}
+
+
+def selected_row(args, splits, reps: int) -> dict:
+    err = (attend(args, splits).float() - attend(args, None).float()).abs().max().item()
+    return {"us": graph_us(lambda: attend(args, splits), reps), "err": err}
+
+
+def kernel_sweep_cases(o):
+    for context, batch, data, max_pages in sweep_shapes(o):
+        case = {"context": context, "batch": batch}
+        if not triton_here(o.device):
+            from astream.ops.quest import paged_decode_selected_ref
+            args = selected_inputs(data, o.budget // PAGE, max_pages, triton=False)
+            yield ({**case, "kernel": "scores", "variant": "reference"},
+                   partial(reference_row, lambda: scores_ref(data, max_pages), o.reps))
+            yield ({**case, "kernel": "selected", "variant": "reference"},
+                   partial(reference_row, lambda: paged_decode_selected_ref(
+                       *args, page_size=PAGE, scale=DIM ** -0.5), o.reps))
+            continue
+        for block_p in (32, 64, 128, 256):
+            for warps in (2, 4, 8):
+                yield ({**case, "kernel": "scores", "block_p": block_p, "warps": warps},
+                       partial(scores_row, data, max_pages, block_p, warps, o.reps))
+        args = selected_inputs(data, o.budget // PAGE, max_pages)
+        for splits in ("auto", 4, 8, 16, 32, 64):
+            yield ({**case, "kernel": "selected", "splits": splits},
+                   partial(selected_row, args, None if splits == "auto" else splits, o.reps))
+
+
+def bounds_layouts(kmin: torch.Tensor, kmax: torch.Tensor) -> dict:
+    """The same bounds [pages, KVH, D] stored three ways (kernels take any strides)."""
+    by_head = torch.stack((kmin, kmax)).permute(0, 2, 1, 3).contiguous()      # [2, KVH, P, D]
+    both = torch.stack((kmin, kmax), dim=2).permute(1, 0, 2, 3).contiguous()  # [KVH, P, 2, D]
+    return {"page_major": (kmin, kmax),
+            "head_major": (by_head[0].transpose(0, 1), by_head[1].transpose(0, 1)),
+            "head_major_lo_hi_adjacent": (both[:, :, 0].transpose(0, 1),
+                                          both[:, :, 1].transpose(0, 1))}
+
+
+def layout_row(data, max_pages: int, name: str, reps: int, copies: int = 4) -> dict:
+    from astream.ops import triton_quest_select as tqs
+    q, kmin, kmax, tables, lens = data
+    base = scores(*data, max_pages, tqs.SCORE_BLOCK_P, 4)
+    n = int(lens.max()) // PAGE
+    sets = [bounds_layouts(*pair)[name] for pair in
+            [(kmin.clone(), kmax.clone()) for _ in range(copies)]]
+    same = torch.equal(scores(q, *sets[0], tables, lens, max_pages, tqs.SCORE_BLOCK_P, 4)[..., :n],
+                       base[..., :n])
+    calls = iter(range(1 << 30))
+
+    def next_copy():
+        i = next(calls) % copies
+        return scores(q, *sets[i], tables, lens, max_pages, tqs.SCORE_BLOCK_P, 4)
+    return {"us": graph_us(next_copy, reps), "same": same}
+
+
+def layouts_cases(o):
+    for context, batch, data, max_pages in sweep_shapes(o):
+        for name in ("page_major", "head_major", "head_major_lo_hi_adjacent"):
+            case = {"context": context, "batch": batch, "layout": name}
+            if not triton_here(o.device):
+                q, kmin, kmax, tables, lens = data
+                lo, hi = (t.contiguous() for t in bounds_layouts(kmin, kmax)[name])
+                yield ({**case, "variant": "reference"},
+                       partial(reference_row,
+                               lambda lo=lo, hi=hi: scores_ref((q, lo, hi, tables, lens), max_pages),
+                               o.reps))
+            else:
+                yield case, partial(layout_row, data, max_pages, name, o.reps)
+
+
+def select_row(data, budget: int, max_pages: int, warps, limit, reps: int, picked: dict) -> dict:
+    pages = call(data, budget, max_pages, warps, limit)[0].clone()
+    first = picked.setdefault("first", pages)
+    return {"us": graph_us(lambda: call(data, budget, max_pages, warps, limit), reps),
+            "same_pages": bool(torch.equal(first, pages))}
+
+
+def select_sweep_cases(o):
+    budget = o.budget // PAGE
+    for context, batch, data, max_pages in sweep_shapes(o):
+        case = {"context": context, "batch": batch, "budget_pages": budget}
+        if not triton_here(o.device):
+            yield ({**case, "variant": "reference"},
+                   partial(reference_row, lambda: call_ref(data, budget, max_pages), o.reps))
+            continue
+        from astream.ops import triton_quest_select as tqs
+        head = tqs.register_head(max_pages - SWEEP_BLOCK // PAGE)
+        variants = {f"warps{w}": (w, head) for w in (4, 8, 16)}
+        variants["half_head"] = (None, head // 2)
+        picked: dict = {}
+        for name, (warps, limit) in variants.items():
+            yield ({**case, "head": head, "variant": name},
+                   partial(select_row, data, budget, max_pages, warps, limit, o.reps, picked))
+
+
+# ---------------------------------------------------------------- page locality, real models
+
+def natural_prompt(core: EngineCore, tokens: int, seed: int) -> list[int]:
+    """Filler sentences up to about `tokens` tokens, then a question, as a chat turn."""
+    from astream.eval.filler import filler_sentences
+    rng = random.Random(seed)
+    encode = core.tokenizer.encode
+    ids: list[int] = []
+    while len(ids) < tokens - 64:
+        ids += encode(" ".join(filler_sentences(rng, 200)) + " ", add_special_tokens=False)
+    question = encode(" Which of the sentences above is the most surprising, and why?",
+                      add_special_tokens=False)
+    return ids[: tokens - 64] + question
+
+
+@contextmanager
+def recording_selections(log: list):
+    """QuestRuntime.select_decode wrapped so each call's (layer, page sets) lands in `log`."""
+    from astream.policies.quest import QuestRuntime
+    original = QuestRuntime.select_decode
+
+    def recorded(self, layer, query):
+        chosen = original(self, layer, query)
+        indices, counts = chosen.indices.cpu(), chosen.counts.cpu()
+        heads = [set(indices[0, h, : int(counts[0, h])].tolist()) for h in range(indices.shape[1])]
+        log.append((layer, heads))
+        return chosen
+
+    QuestRuntime.select_decode = recorded
+    try:
+        yield
+    finally:
+        QuestRuntime.select_decode = original
+
+
+def carried_over(steps: list[dict]) -> list[float]:
+    """Per step after the first: the share of its picks also picked the step before."""
+    shares = []
+    for before, now in zip(steps, steps[1:]):
+        kept = picked = 0
+        for layer, heads in now.items():
+            for head, pages in enumerate(heads):
+                kept += len(pages & before[layer][head]) if layer in before else 0
+                picked += len(pages)
+        shares.append(kept / max(picked, 1))
+    return shares
+
+
+def locality_row(core: EngineCore, log: list, prompt: list[int], steps: int, natural: bool,
+                 counter: list) -> dict:
+    counter[0] += 1
+    sink = core.add_request(f"r{len(prompt)}-{counter[0]}", prompt,
+                            SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+    while not sink.tokens:
+        core.step()
+    log.clear()
+    per_step = []
+    while not sink.tokens[-1].finish_reason:
+        core.step()
+        if log:
+            per_step.append(dict(log))
+            log.clear()
+    shares = carried_over(per_step)
+    return {"carried_over": [round(s, 4) for s in shares],
+            "carried_over_mean": round(statistics.mean(shares), 3) if shares else None,
+            "info": {"selecting_steps": len(per_step)},
+            "text": "".join(tok.text for tok in sink.tokens)[:200] if natural else None}
+
+
+def locality_cases(o):
+    contexts = [int(c) for c in o.ctx.split(",")]
+    name = o.model or ("tiny" if o.smoke else None)
+    if name is None:
+        raise SystemExit("--section locality needs --model (a GGUF file, a folder or a shape)")
+    shape = name if not name.endswith(".gguf") and "/" not in name else None
+    natural = shape is None
+    model = str(shaped_model(shape, max_positions=max(contexts) + o.steps + 8)) if shape else name
+    budgets = [int(b) for b in o.budgets.split(",")]
+    log: list = []
+    with recording_selections(log):
+        for budget in budgets:
+            config = EngineConfig(
+                model=model, tokenizer=o.tokenizer or (None if natural else smollm2()),
+                load_format="dummy" if shape else "auto", device=o.device,
+                dtype="float32" if o.device == "cpu" else "bfloat16",
+                max_model_len=max(contexts) + o.steps + 8, enforce_eager=True, max_num_seqs=4,
+                max_num_batched_tokens=8192,
+                sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=0 if o.smoke else 2))
+            with engine_core(config) as core:
+                for ctx in contexts:
+                    gen = torch.Generator().manual_seed(ctx)
+                    prompt = (natural_prompt(core, ctx, ctx) if natural
+                              else torch.randint(100, 49152, (ctx,), generator=gen).tolist())
+                    yield ({"model": name, "budget": budget, "context": len(prompt)},
+                           partial(locality_row, core, log, prompt, o.steps, natural, [0]))
+            del core                # so the next engine_core() can hand its memory back
+
+
+# ---------------------------------------------------------------- profile
+
+def profile_row(core: EngineCore) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    times = []
+    with profile(activities=activities) as prof:
+        for _ in range(4):
+            start = time.perf_counter()
+            core.step()
+            core.runtime.synchronize()
+            times.append(round((time.perf_counter() - start) * 1e3, 3))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=60))
+    if torch.cuda.is_available():
+        print(averages.table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+    return {"step_ms": times}
+
+
+def profile_cases(o):
+    ctx = int(o.ctx)
+    shape = "tiny" if o.smoke else "qwen3-4b"
+    config = EngineConfig(model=str(shaped_model(shape, max_positions=ctx + 1024)),
+                          load_format="dummy", tokenizer=o.tokenizer or smollm2(), device=o.device,
+                          dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=1,
+                          max_model_len=ctx + 1024, offload=o.offload, enforce_eager=o.eager,
+                          sparse_policy=QuestPolicy(budget_tokens=o.budget,
+                                                    dense_layers=0 if o.smoke else 2),
+                          max_num_batched_tokens=16384,
+                          **({"kv_block_size": 16, "offload_slot_tokens": 64}
+                             if o.smoke and o.offload else {}))
+    with engine_core(config) as core:
+        prompt = torch.randint(100, 49152, (ctx,), generator=torch.Generator().manual_seed(0)).tolist()
+        sink = core.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=100_000,
+                                                            ignore_eos=True))
+        while not sink.tokens:
+            core.step()
+        for _ in range(3):
+            core.step()
+        core.runtime.synchronize()
+        yield ({"shape": shape, "context": ctx, "budget": o.budget, "offload": o.offload,
+                "eager": o.eager}, partial(profile_row, core))
+
+
+# ---------------------------------------------------------------- page reuse, real models
+
+def reuse_run(config: EngineConfig, ctx: int, steps: int) -> dict:
+    with engine_core(config) as core:
+        prompt = natural_prompt(core, ctx, seed=ctx)
+        params = SamplingParams(temperature=0.0, max_tokens=4 * steps + 8, ignore_eos=True)
+        sink = core.add_request("r", prompt, params)
+        while not sink.tokens:
+            core.step()
+        decode_steps(core, 2)                                    # warm-up
+        before = core.stats()
+        times = decode_steps(core, steps)
+        after = core.stats()
+        pipelined = pipelined_steps(core, steps)
+        per_step = {key: (sum(after[key]) - sum(before[key])) / steps
+                    for key in ("quest_pages_read", "quest_pages_loaded")}
+        return {"step_ms": ms(times), "pipelined_step_ms": ms(pipelined),
+                "pages_read_per_step": round(per_step["quest_pages_read"], 1),
+                "pages_loaded_per_step": round(per_step["quest_pages_loaded"], 1),
+                "context": len(prompt), "text": "".join(tok.text for tok in sink.tokens)[:120]}
+
+
+def reuse_row(o, model: str, ctx: int, **engine) -> dict:
+    row: dict = {"info": {}}
+    for reuse in (False, True):
+        config = EngineConfig(
+            model=model, **engine, device=o.device, dtype="float32" if o.device == "cpu" else "bfloat16",
+            offload=True, max_num_seqs=1, max_model_len=ctx + 4 * o.steps + 64,
+            max_num_batched_tokens=8192,
+            sparse_policy=QuestPolicy(budget_tokens=o.budget, dense_layers=0 if o.smoke else 2,
+                                      reuse_pages=reuse))
+        one = reuse_run(config, ctx, o.steps)
+        suffix = "_on" if reuse else "_off"
+        row["info"]["context"] = one.pop("context")
+        row["info"]["text" + suffix] = one.pop("text")
+        row.update({key + suffix: value for key, value in one.items()})
+    return row
+
+
+def reuse_cases(o):
+    ctx = int(o.ctx)
+    engine = {}
+    model = o.model
+    if o.smoke and not model:     # random weights in a tiny shape, SmolLM2's tokenizer
+        model = str(shaped_model("tiny", max_positions=ctx + 4 * o.steps + 64))
+        engine = {"load_format": "dummy", "tokenizer": smollm2()}
+    if not model:
+        raise SystemExit("--section reuse needs --model (a GGUF file or model folder)")
+    yield ({"model": model, "context": ctx, "budget": o.budget},
+           partial(reuse_row, o, model, ctx, **engine))
+
+
+SECTION_CASES = {"speed": speed_cases, "kernels": kernels_cases,
+                 "kernel_sweep": kernel_sweep_cases, "layouts": layouts_cases,
+                 "select_sweep": select_sweep_cases, "locality": locality_cases,
+                 "profile": profile_cases, "reuse": reuse_cases}

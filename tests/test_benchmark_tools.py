@@ -1,7 +1,10 @@
-"""The copy/compute overlap figure reported by benchmarks/offload.py, on synthetic traces."""
+"""Helpers of the benchmarks: the copy/compute overlap figure of benchmarks/offload.py on
+synthetic traces, the quest benchmark's locality count and pipelined steps, and every
+section of the quest benchmark run through the harness (benchmarks/run.py) with --smoke."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -52,7 +55,7 @@ def test_time_shared_by_both_directions_is_reported():
 
 
 def test_quest_locality_counts_pages_picked_again_by_the_same_layer_and_head():
-    from quest_locality import carried_over
+    from quest import carried_over
     step1 = {0: [{1, 2, 3, 4}, {5, 6}], 3: [{7, 8}]}
     step2 = {0: [{1, 2, 9, 10}, {6, 11}], 3: [{7, 8}]}     # 2 + 1 + 2 of 8 picks kept
     step3 = {0: [{5, 6, 1, 2}, {1, 2}], 3: [{9, 10}]}      # head 0 regains 1, 2; head 1 none
@@ -60,7 +63,7 @@ def test_quest_locality_counts_pages_picked_again_by_the_same_layer_and_head():
 
 
 def test_pipelined_steps_time_each_step_and_lose_no_token(tmp_path):
-    """quest.py's pipelined timing launches step n+1 before reading step n back, as the
+    """The quest benchmark's pipelined timing launches step n+1 before reading step n back, as the
     engine's stages do: every step still delivers its token, in order, once."""
     from common import shaped_model, smollm2
     from quest import pipelined_steps
@@ -86,3 +89,57 @@ def test_pipelined_steps_time_each_step_and_lose_no_token(tmp_path):
         core.step()
     assert again.tokens == sink.tokens
     core.close()
+
+
+# Smaller than --smoke's own shapes where a section builds engines, to keep the test short.
+SMOKE_SECTIONS = {
+    "speed": ["--cases", "256x1", "--budgets", "full,64", "--steps", "2"],
+    "kernels": [],
+    "kernel_sweep": [],
+    "layouts": [],
+    "select_sweep": [],
+    "locality": ["--ctx", "300"],
+    "profile": [],
+    "reuse": ["--ctx", "300", "--steps", "3"],
+}
+
+
+@pytest.mark.parametrize("section", sorted(SMOKE_SECTIONS))
+def test_quest_sections_run_through_the_harness(section, tmp_path):
+    import run
+    out = tmp_path / "result.json"
+    argv = ["quest", "--smoke", "--section", section, "--out", str(out), *SMOKE_SECTIONS[section]]
+    assert run.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "quest" and result["device"] == "cpu"
+    assert result["commit"] and result["options"]["section"] == section
+    assert result["options"]["smoke"] is True and result["options"]["repeats"] == 1
+    assert result["rows"]
+    figures = 0
+    for row in result["rows"]:
+        assert set(row) == {"params", "figures", "info"} and row["params"]
+        assert row["info"].get("ok", True) is True
+        for name, figure in row["figures"].items():
+            values = [v for repeat in figure["values"] for v in repeat]
+            assert len(figure["values"]) == 1 and values, name
+            assert figure["min"] <= figure["median"] <= figure["max"], name
+            assert (figure["min"], figure["max"]) == (min(values), max(values)), name
+            figures += 1
+    assert figures
+
+
+def test_the_harness_pools_repeats_and_fails_a_row_marked_not_ok(tmp_path, monkeypatch):
+    import run
+    calls = iter([[3.0, 1.0], [2.0], [5.0, 4.0]])
+
+    def cases(options):
+        yield {"case": "a"}, lambda: {"ms": next(calls), "ok": options.repeats != 3, "note": "x"}
+
+    monkeypatch.setitem(sys.modules, "fake_bench", type(sys)("fake_bench"))
+    sys.modules["fake_bench"].cases = cases
+    out = tmp_path / "r.json"
+    assert run.main(["fake_bench", "--repeats", "3", "--device", "cpu", "--out", str(out)]) == 1
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["figures"]["ms"] == {"min": 1.0, "median": 3.0, "max": 5.0,
+                                    "values": [[3.0, 1.0], [2.0], [5.0, 4.0]]}
+    assert row["info"] == {"ok": False, "note": "x"}
