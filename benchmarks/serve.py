@@ -483,7 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="astream-ws/1 requests multiplexed on one connection; keep it within the "
                       "server's --max-requests-per-connection (default: a quarter of max_num_seqs)")
     load.add_argument("--warmup", type=int, help="short requests sent (and not measured) "
-                      "before the runs, and to the offline engine (default 4, --smoke 2)")
+                      "before the runs, and to the offline engine, with one whole long prompt in "
+                      "long-mix (default 4, --smoke 2)")
     load.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     server = parser.add_argument_group("server")
     server.add_argument("--url", help="a running server, http://host:port; else one is started")
@@ -529,8 +530,11 @@ def main(argv: list[str] | None = None) -> dict:
           started_server(args.model, serve_args, log, args.server_timeout, args.api_key)) as url:
         model_name = served_model(url, args.api_key)
         if args.warmup:
-            warm = [Request(r.index, r.prompt[:64], min(r.max_tokens, 8))
-                    for r in workload.requests(args.seed + 999_983)[:args.warmup]]
+            pool = workload.requests(args.seed + 999_983)
+            warm = [Request(r.index, r.prompt[:64], min(r.max_tokens, 8)) for r in pool[:args.warmup]]
+            # One whole long prompt too: the first long prefill of a server compiles kernels
+            # for its shapes, which no measured request should wait for.
+            warm += [Request(r.index, r.prompt, 8, kind="long") for r in pool if r.kind == "long"][:1]
             for protocol in args.protocol:
                 run_load(protocol, url, warm, args, model_name)
             wait_idle(url)
