@@ -146,6 +146,36 @@ def test_generate_gives_one_ranks_tokens_and_logprobs(model, size, request):
     assert stats["prefix_cache_hits"] > 0
 
 
+def test_quest_selects_for_each_ranks_own_kv_heads(tiny_qwen3):
+    prompts = ["one two three four five six seven " * 12, "hello " * 50]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for size in (1, 2):
+        with LLM(str(tiny_qwen3), tensor_parallel_size=size, sparse_policy="quest",
+                 sparse_budget=64, **KW) as llm:
+            runs.append(([out.token_ids for out in llm.generate(prompts, params)], llm.stats()))
+    (want, whole), (got, shard) = runs
+    assert got == want
+    assert sum(whole["quest_selections"]) > 0
+    # rank 0 holds one of the two KV heads, and its stats count its own selections
+    assert sum(shard["quest_selections"]) * 2 == sum(whole["quest_selections"])
+
+
+def test_a_gguf_model_splits_over_three_ranks(smollm2_path):
+    """SmolLM2: 9 heads and 3 KV heads; every rank dequantizes each tensor and keeps its part."""
+    prompts = ["The capital of France is", [{"role": "user", "content": "Count to 5."}]]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
+    runs = []
+    for size in (1, 3):
+        with LLM(str(smollm2_path), tensor_parallel_size=size, device="cpu", dtype="float32",
+                 num_kv_blocks=32, max_model_len=256, show_progress=False) as llm:
+            runs.append(llm.generate(prompts, params))
+    for ours, theirs in zip(runs[1], runs[0]):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 # ---- the async engine ------------------------------------------------------------------------
 
 @pytest.mark.anyio
