@@ -87,6 +87,9 @@ class EngineConfig:
     kv_cache_scale: float | None = option(  # fp8 only: one fixed scale; None: calibrated at start
         None, "fp8 KV only: store value / SCALE for every layer and head instead of scales "
         "calibrated when the engine starts")
+    tensor_parallel_size: int = option(
+        1, "processes (one GPU each, or CPU ranks over gloo) the model's heads, MLP and "
+        "vocabulary are split across; the engine spawns the other ranks itself")
     show_progress: bool | None = option(
         None, "show model loading on stderr (a bar, then the time it took); unset: when stderr "
         "is a terminal, unless $ASTREAM_SHOW_PROGRESS is 0")
@@ -105,6 +108,10 @@ class EngineConfig:
         _positive("offload_ring_slots", self.offload_ring_slots)
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("stream_buffer_tokens", self.stream_buffer_tokens)
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.offload:
+            raise ValueError("offload does not work with tensor_parallel_size > 1 yet; "
+                             "use one of them")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_block_size",
                      "offload_slot_tokens", "sparse_budget"):
             value = getattr(self, name)

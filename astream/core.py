@@ -14,15 +14,19 @@ from dataclasses import dataclass, field
 
 from astream.config import EngineConfig
 from astream.executor.build import build_runner, kv_format
+from astream.executor.cache_plan import plan_runner_cache
 from astream.executor.runner import ModelRunner, PreparedStep, StepOutput, StepProgram
 from astream.kvcache.block_manager import BlockManager
-from astream.kvcache.sizing import CachePlan, CacheSpec, check_max_model_len, plan_cache
+from astream.kvcache.sizing import CachePlan, check_max_model_len
 from astream.models.config import ModelConfig
 from astream.models.loader import LoadedModel, ProgressFn, load_model, open_checkpoint, resolve_model_path
+from astream.models.tensor_parallel import check_tensor_parallel
 from astream.ops.attention import select_backend
 from astream.ops.backends import CUDNN_SHAPE_STEP
 from astream.ops.triton_warmup import start_cache_key_warmup
-from astream.policies import SparsePolicy, check_policy_mode, make_policy
+from astream.parallel.group import rank_device
+from astream.parallel.workers import WorkerGroup
+from astream.policies import check_policy_mode, make_policy
 from astream.outputs import TokenLogprob
 from astream.request import Choice, ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
@@ -50,6 +54,7 @@ class EngineCore:
     runner: ModelRunner
     eos_ids: frozenset[int]
     prompt_bound: PromptBound            # a prompt's fewest possible tokens, from its size
+    workers: WorkerGroup | None = None   # the other tensor-parallel ranks
     requests: dict[str, Request] = field(default_factory=dict)
     _arrivals: itertools.count = field(default_factory=itertools.count)
 
@@ -60,20 +65,32 @@ class EngineCore:
         triton_key = start_cache_key_warmup() if device.type == "cuda" else None
         path = resolve_model_path(config.model)
         checkpoint = open_checkpoint(path, config.load_format)
-        check_max_model_len(config.max_model_len, ModelConfig.from_hf(checkpoint.hf_config))  # early
-        model = load_model(checkpoint, dtype, device, progress, config.tokenizer)
-        policy = make_policy(config.sparse_policy, config.sparse_budget)
-        check_policy_mode(policy, config.offload)
-        fmt = kv_format(config, model.decoder, model.tokenizer)
-        overhead = _device_kv_overhead(policy, model.decoder.config.num_layers, config.offload)
-        spec = _cache_spec(config, overhead, policy.sparse_prefill,
-                           _decode_buffer_bytes(policy, model.decoder.config, config, fmt.element_size))
-        plan = plan_cache(spec, model.decoder.config, dtype, device, fmt.dtype)   # after the weights
-        runtime = DeviceRuntime(device)
-        if triton_key is not None:
-            triton_key.join()
-        eos = frozenset(stop_token_ids(model.tokenizer, model.decoder.config.eos_token_ids))
-        runner = build_runner(config, plan, model.decoder, runtime, policy, fmt, eos)
+        shape = ModelConfig.from_hf(checkpoint.hf_config)
+        check_max_model_len(config.max_model_len, shape)                # early
+        workers = None
+        if config.tensor_parallel_size > 1:
+            check_tensor_parallel(shape, config.tensor_parallel_size)   # before any process starts
+            device = rank_device(device, 0)
+            workers = WorkerGroup.start(config, str(path), shape, device)
+        try:
+            tp = None if workers is None else workers.tp
+            model = load_model(checkpoint, dtype, device, progress, config.tokenizer, tp)
+            policy = make_policy(config.sparse_policy, config.sparse_budget)
+            check_policy_mode(policy, config.offload)
+            fmt = kv_format(config, model.decoder, model.tokenizer)
+            plan = plan_runner_cache(config, model.decoder, policy, fmt)   # after the weights
+            if workers is not None:
+                plan = workers.agree(plan)
+            runtime = DeviceRuntime(device)
+            if triton_key is not None:
+                triton_key.join()
+            eos = frozenset(stop_token_ids(model.tokenizer, shape.eos_token_ids))
+            runner = build_runner(config, plan, model.decoder, runtime, policy, fmt, eos)
+            runner.followers = workers
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
         align = plan.block_size if config.offload else 1
         scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, plan.max_num_batched_tokens, plan.max_model_len,
@@ -81,11 +98,12 @@ class EngineCore:
                             short_prompt_tokens=short_prompt_tokens(plan.max_num_batched_tokens)),
             BlockManager(plan.num_blocks, plan.block_size, config.enable_prefix_caching))
         log.info("astream: %s on %s (%s), %d KV blocks of %d tokens (%s)%s, max_model_len %d, "
-                 "attention %s", path.name, device, dtype, plan.num_blocks, plan.block_size,
+                 "attention %s%s", path.name, device, dtype, plan.num_blocks, plan.block_size,
                  str(fmt.dtype).removeprefix("torch."), " in host memory" if config.offload else "",
-                 plan.max_model_len, select_backend(device))
+                 plan.max_model_len, select_backend(device),
+                 f", tensor-parallel over {config.tensor_parallel_size} ranks" if workers else "")
         return cls(config, plan, model, runtime, scheduler, runner, eos,
-                   PromptBound.of(model.tokenizer))
+                   PromptBound.of(model.tokenizer), workers)
 
     @property
     def tokenizer(self):
@@ -301,6 +319,8 @@ class EngineCore:
         if self.runner.offload is not None:
             self.runner.offload.free_host_pool()
         self.runtime.close()
+        if self.workers is not None:
+            self.workers.close()
 
     def stats(self) -> dict:
         blocks = self.scheduler.blocks
@@ -347,36 +367,3 @@ def _chunk_step(runner: ModelRunner, align: int) -> int:
     if not runner.backends.cudnn_prefill:
         return align
     return math.lcm(align, CUDNN_SHAPE_STEP)
-
-
-def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool) -> float:
-    """Device bytes per byte of KV in the cache beyond the cache itself: the policy's
-    metadata (kept in the cache's element type) and, with offload, the layers whose KV it
-    keeps on the device as well."""
-    mirrored = len(policy.offload_device_layers(num_layers)) / num_layers if offload else 0.0
-    return policy.kv_overhead(num_layers) + mirrored
-
-
-def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
-                         element_size: int) -> int:
-    """Device bytes of the policy's per-row decode buffers on the offloaded layers."""
-    if not config.offload:
-        return 0
-    tokens = policy.decode_buffer_tokens()
-    if tokens >= (config.max_model_len or model.max_position_embeddings):   # never selects
-        return 0
-    layers = model.num_layers - len(policy.offload_device_layers(model.num_layers))
-    per_token = model.kv_bytes_per_token // model.num_layers * element_size
-    return tokens * config.max_num_seqs * layers * per_token
-
-
-def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
-                device_reserve_bytes: int = 0) -> CacheSpec:
-    return CacheSpec(
-        block_size=config.block_size, max_num_seqs=config.max_num_seqs, offload=config.offload,
-        max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
-        num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
-        cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=config.offload_host_gib,
-        offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
-        kv_overhead=kv_overhead, whole_prefix=sparse_prefill and config.offload,
-        device_reserve_bytes=device_reserve_bytes)

@@ -9,3 +9,8 @@ class PromptTooLongError(ValueError):
 
 class EngineClosedError(RuntimeError):
     """The engine is not running (not started, closed, or stopped by an internal fault)."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, or a step that every rank had started failed: the ranks
+    can no longer stay in step, so the engine stops and every live request ends with this."""

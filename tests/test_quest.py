@@ -124,7 +124,7 @@ def test_reused_pages_in_a_batch_match_loading_every_page():
 
 def test_reused_page_buffers_are_counted_in_the_device_plan():
     from astream.config import EngineConfig
-    from astream.core import _decode_buffer_bytes
+    from astream.executor.cache_plan import _decode_buffer_bytes
     from astream.models.config import ModelConfig
 
     model = ModelConfig.from_hf(dict(model_type="qwen3", vocab_size=100, hidden_size=256,

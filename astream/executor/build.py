@@ -72,8 +72,9 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
     selects decode pages on some offloaded layers only (those steps read through the ring).
     With offload, a policy that selects on every offloaded layer gathers its pages in the
     graph, and one that never selects loads whole contexts between a chain of graphs
-    (executor.offload_graphs)."""
-    if not runner.runtime.is_cuda or config.enforce_eager:
+    (executor.offload_graphs). Tensor-parallel steps run eagerly too: a graph would have to
+    hold the ranks' collectives and rank 0's sampler in step."""
+    if not runner.runtime.is_cuda or config.enforce_eager or runner.decoder.tp is not None:
         return None
     shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
                  max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),

@@ -48,6 +48,44 @@ class StepInputs:
 def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
                  decode_tables: DecodeTables | None = None) -> StepInputs:
     """`decode_tables`: the caller's, kept from step to step, so unchanged tables are copied."""
+    return pack_inputs(batch, block_size, decode_tables).send(device)
+
+
+@dataclass(slots=True)
+class HostInputs:
+    """A step's inputs as host arrays, before they go to a device: plain data that pickles
+    small, so tensor-parallel ranks each get it once per step and send it to their own device."""
+
+    longs: HostPack
+    ints: HostPack
+    token_parts: list[int]                     # ids, positions, slots, sample rows[, pending]
+    prefill: _PrefillLayout | None
+    decode_parts: tuple[int, int] | None       # block tables and context lengths in `ints`
+    num_prefill_tokens: int
+    num_rows: int
+    decode_max_context: int
+
+    @property
+    def num_sampled(self) -> int:
+        return self.longs.parts[self.token_parts[3]].size
+
+    def send(self, device: torch.device) -> StepInputs:
+        sent64, sent32 = self.longs.send(device), self.ints.send(device)
+        ids, positions, slots, sample_rows, *pending = (sent64[i] for i in self.token_parts)
+        attn = AttentionMetadata(self.num_prefill_tokens, slots, None, None, None, None, 0)
+        if self.prefill is not None:
+            attn.prefill, attn.prefill_key_slots = self.prefill.meta(sent64, sent32)
+        if self.decode_parts is not None:
+            attn.decode_block_tables, attn.decode_context_lens = (sent32[i] for i in self.decode_parts)
+            attn.decode_max_context = self.decode_max_context
+        inputs = StepInputs(ids, positions, attn, sample_rows, self.num_rows)
+        if pending:
+            inputs.pending_dst, inputs.pending_src = pending
+        return inputs
+
+
+def pack_inputs(batch: ScheduledBatch, block_size: int,
+                decode_tables: DecodeTables | None = None) -> HostInputs:
     split = next((i for i, item in enumerate(batch.items) if item.num_tokens == 1), len(batch.items))
     chunks, singles = batch.items[:split], batch.items[split:]
     rows = _Rows()
@@ -63,21 +101,12 @@ def build_inputs(batch: ScheduledBatch, block_size: int, device: torch.device,
     if rows.pending_dst:
         token_parts += [longs.add(rows.pending_dst), longs.add(rows.pending_src)]
     prefill = _PrefillLayout.of(chunks, block_size, longs, ints) if chunks else None
+    decode_parts, max_context = None, 0
     if singles:
         lens = np.fromiter((item.start + 1 for item in singles), np.int32, len(singles))
-        decode_parts = (ints.add(tables), ints.add(lens))
-    sent64, sent32 = longs.send(device), ints.send(device)
-    ids, positions, slots, sample_rows, *pending = (sent64[i] for i in token_parts)
-    attn = AttentionMetadata(sum(item.num_tokens for item in chunks), slots, None, None, None, None, 0)
-    if prefill is not None:
-        attn.prefill, attn.prefill_key_slots = prefill.meta(sent64, sent32)
-    if singles:
-        attn.decode_block_tables, attn.decode_context_lens = (sent32[i] for i in decode_parts)
-        attn.decode_max_context = int(lens.max())
-    inputs = StepInputs(ids, positions, attn, sample_rows, rows.num_rows)
-    if pending:
-        inputs.pending_dst, inputs.pending_src = pending
-    return inputs
+        decode_parts, max_context = (ints.add(tables), ints.add(lens)), int(lens.max())
+    return HostInputs(longs, ints, token_parts, prefill, decode_parts,
+                      sum(item.num_tokens for item in chunks), rows.num_rows, max_context)
 
 
 @dataclass(slots=True)

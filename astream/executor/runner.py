@@ -11,13 +11,13 @@ through for synchronous callers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generator
+from typing import Generator, Protocol
 
 import torch
 
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.decode_tables import DecodeTables
-from astream.executor.inputs import StepInputs, build_inputs
+from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
 from astream.executor.offload_graphs import OffloadDecodeGraphs
@@ -38,6 +38,16 @@ from astream.sequence import Sequence
 StepProgram = Generator[Event, None, "StepOutput"]
 
 
+class StepFollowers(Protocol):
+    """The other tensor-parallel ranks, seen from rank 0 (astream.parallel)."""
+
+    def send(self, inputs: HostInputs) -> None:
+        """Hand every other rank the step about to run."""
+
+    def failed(self, error: BaseException) -> Exception:
+        """A step that had started on every rank raised: stop them all; the error to raise."""
+
+
 @dataclass(slots=True)
 class PreparedStep:
     """A batch with its inputs already on the device; built on the event-loop thread."""
@@ -47,6 +57,7 @@ class PreparedStep:
     sampling: SamplingBatch
     sampled: list[Sequence]             # sequences that get a token, in row order
     offload_plan: OffloadStepPlan | None = None
+    host: HostInputs | None = None      # `inputs` before they left the host, for other ranks
 
 
 @dataclass(slots=True)
@@ -78,6 +89,7 @@ class ModelRunner:
     tails: TailSlots | None = None
     decode_tables: DecodeTables = field(default_factory=DecodeTables)   # kept between steps
     eos_ids: frozenset[int] = frozenset()   # held back, with stop_token_ids, until min_tokens
+    followers: StepFollowers | None = None  # rank 0 of several tensor-parallel ranks
 
     @property
     def scale(self) -> float:
@@ -95,7 +107,8 @@ class ModelRunner:
         if len(live) < len(batch.items):
             batch = ScheduledBatch(batch.step, live)
         device = self.runtime.device
-        inputs = build_inputs(batch, self.block_size, device, self.decode_tables)
+        host = pack_inputs(batch, self.block_size, self.decode_tables)
+        inputs = host.send(device)
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device,
                                         self.eos_ids)
         plan = None
@@ -106,7 +119,7 @@ class ModelRunner:
                 sparse_decode=self.policy.may_select_decode(),
                 whole_prefill=tuple(self.policy.replaces_prefill(layer) for layer in layers))
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
-                            plan)
+                            plan, host if self.followers is not None else None)
 
     def launch(self, step: PreparedStep, previous: StepOutput | None) -> StepOutput:
         """Run a step's program straight through (synchronous callers)."""
@@ -117,14 +130,42 @@ class ModelRunner:
         except StopIteration as stop:
             return stop.value
 
-    @torch.inference_mode()
     def program(self, step: PreparedStep, previous: StepOutput | None) -> StepProgram:
         """Enqueue the forward pass, the sampler (inside a decode step's graph where it can be)
-        and the readback of the sampled ids."""
+        and the readback of the sampled ids. With tensor-parallel followers, the step goes to
+        them first; once it has, a failure leaves the ranks out of step, so it is fatal."""
+        if step.inputs.pending_dst is not None and previous is None:
+            raise RuntimeError("a batch with pending tokens needs the previous step's output")
+        if self.followers is None:
+            return (yield from self._program(step, previous))
+        self.followers.send(step.host)
+        try:
+            return (yield from self._program(step, previous))
+        except Exception as exc:
+            raise self.followers.failed(exc) from exc
+
+    @torch.inference_mode()
+    def follow(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
+        """A follower rank's part of a step rank 0 runs: the same forward pass over this
+        rank's shard and its share of the logits; rank 0 samples and broadcasts the ids,
+        returned for the next step's pending rows."""
+        inputs = host.send(self.runtime.device)
+        if inputs.pending_dst is not None:
+            inputs.input_ids.index_copy_(0, inputs.pending_dst, previous_ids[inputs.pending_src])
+        forward = self._forward(inputs)
+        try:
+            while True:
+                next(forward)
+        except StopIteration as stop:
+            hidden = stop.value
+        self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
+        token_ids = torch.empty(host.num_sampled, dtype=torch.int64, device=self.runtime.device)
+        return self.decoder.tp.broadcast(token_ids)
+
+    @torch.inference_mode()
+    def _program(self, step: PreparedStep, previous: StepOutput | None) -> StepProgram:
         inputs = step.inputs
         if inputs.pending_dst is not None:
-            if previous is None:
-                raise RuntimeError("a batch with pending tokens needs the previous step's output")
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
         token_ids = None
         if self.graphs is not None and self.graphs.can_run(inputs, step.offload_plan):
@@ -143,6 +184,8 @@ class ModelRunner:
                 # Queued before the ids' copy: the event that marks the ids marks these too.
                 logprobs = StepLogprobs(*(self.runtime.copy_to_host(t) for t in
                                           (found.chosen, found.top_values, found.top_ids)))
+        if self.decoder.tp is not None:
+            self.decoder.tp.broadcast(token_ids)
         host_ids, ready = self.runtime.to_host(token_ids)
         offloaded = self.offload.pending_offloads() if self.offload is not None else []
         return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded, logprobs)

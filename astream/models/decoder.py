@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from astream.models.config import ModelConfig
 from astream.models.layers import RotaryTable
+from astream.models.tensor_parallel import TensorParallel
 from astream.ops.layer_kernels import LayerKernels
 
 # attend(layer_index, q [T,H,D], k [T,KVH,D], v [T,KVH,D]) -> out [T,H,D]
@@ -61,6 +62,7 @@ class Decoder:
     rope: RotaryTable
     kernels: LayerKernels = field(default_factory=LayerKernels)
     mlp_chunk_tokens: int = 8192        # bounds the MLP's activation memory on long prefills
+    tp: TensorParallel | None = None    # this rank's shard; `config` is then the shard's shape
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,7 +73,12 @@ class Decoder:
         return self.weights.embed.device
 
     def embed(self, input_ids: torch.Tensor) -> Residual:
-        return Residual(F.embedding(input_ids, self.weights.embed))
+        if self.tp is None:
+            return Residual(F.embedding(input_ids, self.weights.embed))
+        local = input_ids - self.tp.shard.vocab_start
+        elsewhere = (local < 0) | (local >= self.weights.embed.shape[0])
+        rows = F.embedding(local.masked_fill(elsewhere, 0), self.weights.embed)
+        return Residual(self.tp.all_reduce(rows.masked_fill_(elsewhere[:, None], 0)))
 
     def layer(self, layer: int, stream: Residual, positions: torch.Tensor,
               attend: AttendFn) -> Residual:
@@ -81,8 +88,12 @@ class Decoder:
                                self.rope.sin, cfg.num_heads, cfg.num_kv_heads, w.q_norm,
                                w.k_norm, cfg.rms_norm_eps)
         attn_out = F.linear(attend(layer, q, k, v).reshape(hidden.shape[0], -1), w.o_proj)
-        x, hidden = ops.add_rms_norm(hidden, attn_out, w.post_norm, cfg.rms_norm_eps)
-        return Residual(hidden, self._mlp(w, x))
+        x, hidden = ops.add_rms_norm(hidden, self._reduce(attn_out), w.post_norm, cfg.rms_norm_eps)
+        return Residual(hidden, self._reduce(self._mlp(w, x)))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial sums, completed over the ranks."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _mlp(self, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.mlp_chunk_tokens:
@@ -106,5 +117,9 @@ class Decoder:
                                          self.config.rms_norm_eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the given (already normed) hidden rows."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        """float32 logits for the given (already normed) hidden rows; under tensor
+        parallelism every rank takes part and every rank gets the whole vocabulary."""
+        logits = F.linear(hidden, self.weights.lm_head).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_vocab(logits, self.config.vocab_size)

@@ -14,6 +14,7 @@ from typing import Iterator
 import torch
 
 from astream.models.config import ModelConfig
+from astream.models.tensor_parallel import TPShard
 
 
 @dataclass(slots=True)
@@ -29,8 +30,14 @@ class DummyCheckpoint:
     def tensor_names(self) -> list[str]:
         return [name for name, _ in _shapes(ModelConfig.from_hf(self.hf_config))]
 
-    def iter_tensors(self, dtype: torch.dtype, device: torch.device | str
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, dtype: torch.dtype, device: torch.device | str,
+                     shard: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """With `shard`, every rank draws the whole tensors (one random stream) and keeps its part."""
+        for name, tensor in self._draw(dtype, device):
+            yield name, tensor if shard is None else shard.take(name, tensor)
+
+    def _draw(self, dtype: torch.dtype, device: torch.device | str
+              ) -> Iterator[tuple[str, torch.Tensor]]:
         generator = torch.Generator(device=device)
         generator.manual_seed(self.seed)
         for name, shape in _shapes(ModelConfig.from_hf(self.hf_config)):

@@ -22,6 +22,7 @@ import torch
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from astream.models.dequant import SUPPORTED_QUANT_TYPES, dequantize
+from astream.models.tensor_parallel import TPShard
 from astream.models.gguf_layout import (
     SUPPORTED_GGUF_TENSOR_TYPES,  # noqa: F401  (part of this module's API)
     ArrayValue,
@@ -222,16 +223,18 @@ class GGUFCheckpoint:
         return [s.hf_name for s in self._specs]
 
     def iter_tensors(
-        self, dtype: torch.dtype, device: torch.device | str
+        self, dtype: torch.dtype, device: torch.device | str, shard: TPShard | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) one at a time, dequantized on `device`."""
+        """Yield (HF name, tensor) one at a time, dequantized on `device`. With `shard`, a
+        tensor is dequantized whole and cut to the rank's part (quantization blocks run along
+        the input dimension, which row-parallel weights split)."""
         for spec in self._specs:
             raw = torch.from_numpy(spec.data).to(device)
             w = dequantize(raw, spec.qtype, spec.shape, dtype)
             del raw
             if spec.rope_heads:
                 w = _unpermute_rope_rows(w, spec.rope_heads)
-            yield spec.hf_name, w
+            yield spec.hf_name, w if shard is None else shard.take(spec.hf_name, w)
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:

@@ -14,6 +14,7 @@ from astream.models.config import ModelConfig
 from astream.models.decoder import Decoder
 from astream.models.hub import hub_snapshot, looks_like_hub_id
 from astream.models.layers import RotaryTable
+from astream.models.tensor_parallel import TensorParallel
 from astream.ops.layer_kernels import LayerKernels
 from astream.models.weights import assemble_weights
 
@@ -79,17 +80,22 @@ def open_checkpoint(path: Path, load_format: str = "auto"):
 
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device,
-               progress: ProgressFn | None = None, tokenizer: str | None = None) -> LoadedModel:
+               progress: ProgressFn | None = None, tokenizer: str | None = None,
+               tp: TensorParallel | None = None) -> LoadedModel:
+    """With `tp`, the decoder holds this rank's shard only (models.tensor_parallel)."""
     path = Path(checkpoint.path)
     tokenizer_path = Path(tokenizer).expanduser() if tokenizer else path
     # The tokenizer first: a broken one fails in milliseconds, not after the weights.
     same_gguf = tokenizer_path == path and path.suffix == ".gguf"
     tok = load_tokenizer(tokenizer_path, checkpoint.header if same_gguf else None)
     config = ModelConfig.from_hf(checkpoint.hf_config)
-    weights = assemble_weights(config, _with_progress(checkpoint, dtype, device, progress))
+    tensors = _with_progress(checkpoint, dtype, device, progress, tp)
+    if tp is not None:
+        config = tp.shard.local_config()
+    weights = assemble_weights(config, tensors)
     rope = RotaryTable.build(config.head_dim, config.max_position_embeddings, config.rope_theta,
                              config.rope_scaling_factor, dtype, device)
-    decoder = Decoder(config, weights, rope, LayerKernels.select(device))
+    decoder = Decoder(config, weights, rope, LayerKernels.select(device), tp=tp)
     return LoadedModel(decoder, tok, path)
 
 
@@ -111,9 +117,11 @@ def load_tokenizer(path: Path, header: GGUFHeader | None = None):
 
 
 def _with_progress(checkpoint, dtype: torch.dtype, device: torch.device,
-                   progress: ProgressFn | None) -> Iterator[tuple[str, torch.Tensor]]:
+                   progress: ProgressFn | None, tp: TensorParallel | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     total = len(checkpoint.tensor_names())
-    for done, item in enumerate(checkpoint.iter_tensors(dtype, device), start=1):
+    tensors = checkpoint.iter_tensors(dtype, device, None if tp is None else tp.shard)
+    for done, item in enumerate(tensors, start=1):
         if progress is not None:
             progress(done, total)
         yield item

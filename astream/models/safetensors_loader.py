@@ -10,6 +10,8 @@ from typing import Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from astream.models.tensor_parallel import TPShard, pad_rows
+
 
 def checkpoint_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
@@ -47,21 +49,31 @@ class SafetensorsCheckpoint:
                 names += handle.keys()
         return names
 
-    def iter_tensors(self, dtype: torch.dtype, device: torch.device | str
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return _iter_files(self.files, dtype, torch.device(device))
+    def iter_tensors(self, dtype: torch.dtype, device: torch.device | str,
+                     shard: TPShard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """With `shard`, each tensor's rank slice only is read from the file."""
+        return _iter_files(self.files, dtype, torch.device(device), shard)
 
 
-def _iter_files(files: list[Path], dtype: torch.dtype, device: torch.device
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_files(files: list[Path], dtype: torch.dtype, device: torch.device,
+                shard: TPShard | None) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with _open(file) as handle:
             for name in handle.keys():
                 try:
-                    tensor = handle.get_tensor(name)
+                    tensor = _read(handle, name, shard)
                 except (SafetensorError, RuntimeError) as exc:
                     raise ValueError(f"{file} is truncated or corrupt (tensor {name}): {exc}") from exc
                 yield name, tensor.to(device=device, dtype=dtype)
+
+
+def _read(handle, name: str, shard: TPShard | None) -> torch.Tensor:
+    where = None if shard is None else shard.slice_of(name)
+    if where is None:
+        return handle.get_tensor(name)
+    part = handle.get_slice(name)
+    index = (slice(None),) * where.dim + (slice(where.start, where.stop),)
+    return pad_rows(part[index], where)
 
 
 def _open(file: Path):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from astream.core import ScheduledBatch
+from astream.errors import TensorParallelError
 from astream.runtime.events import drive
 from astream.stages.context import StageContext
 
@@ -47,6 +48,9 @@ async def forward_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
                     output = await drive(core.program(step, previous), LAYERS_AHEAD)
                 else:
                     output = await core.runtime.run(core.launch, step, previous)
+            except TensorParallelError:             # the ranks are out of step: the engine stops
+                ticket.launched.set()
+                raise
             except Exception as exc:
                 log.exception("step %d failed", ticket.batch.step)
                 ticket.launched.set()

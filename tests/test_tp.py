@@ -1,0 +1,279 @@
+"""Tensor parallelism on the CPU over gloo: shards give the whole model's logits and tokens,
+the async engine returns every block, bad sizes are refused, and a lost rank stops the
+engine without leaving a process behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from astream import LLM, Engine, SamplingParams
+from astream.cli import parse_command
+from astream.config import EngineConfig
+from astream.models.config import ModelConfig
+from astream.models.loader import load_model, open_checkpoint
+from astream.ops.attention import varlen_attention
+from astream.ops.varlen import VarlenMeta
+from astream.parallel.group import free_port, join_group, leave_group
+
+CPU = torch.device("cpu")
+KW = dict(device="cpu", dtype="float32", num_kv_blocks=96, kv_block_size=16, max_model_len=512,
+          max_num_batched_tokens=64, show_progress=False)
+PROMPTS = ["The quick brown fox", [5, 6, 7, 8, 9, 10], "one two three four five six seven " * 12,
+           "The quick brown fox jumps over"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat")
+    return not (state.exists() and state.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def _wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [pid for pid in pids if _alive(pid)]
+
+
+# ---- the option ------------------------------------------------------------------------------
+
+def test_tensor_parallel_size_is_an_engine_option_and_a_flag(tiny_qwen3):
+    assert EngineConfig().tensor_parallel_size == 1
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="offload does not work with tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=2, offload=True)
+    _, (engine, _) = parse_command(["generate", "hi", "--model", str(tiny_qwen3),
+                                    "--tensor-parallel-size", "2"], {})
+    assert engine["tensor_parallel_size"] == 2
+
+
+def test_a_size_the_heads_do_not_divide_into_is_refused_before_any_process_starts(tiny_qwen3):
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not split this model: it has "
+                                         r"4 attention heads, 2 KV heads .* sizes that work: 1, 2, 4"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=3, **KW)
+    assert set(multiprocessing.active_children()) == before
+
+
+# ---- the shards compute the whole model ------------------------------------------------------
+
+def _dense_logits(path: str, ids: list[int], tp=None) -> torch.Tensor:
+    decoder = load_model(open_checkpoint(Path(path)), torch.float32, CPU, tp=tp).decoder
+    tokens = torch.tensor(ids, dtype=torch.int64)
+    n = len(ids)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    meta = VarlenMeta(cu, cu, n, n, [0, n], [0, n])
+    scale = decoder.config.head_dim ** -0.5
+
+    def attend(layer, q, k, v):
+        return varlen_attention(q, k, v, meta, causal=True, scale=scale)[0]
+
+    with torch.inference_mode():
+        return decoder.logits(decoder.forward(tokens, torch.arange(n), attend))
+
+
+def _rank_logits(rank: int, size: int, port: int, path: str, ids: list[int]) -> None:
+    tp = join_group(rank, size, port, CPU, ModelConfig.from_hf(open_checkpoint(Path(path)).hf_config))
+    try:
+        _dense_logits(path, ids, tp)
+    finally:
+        leave_group()
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen2"])
+def test_two_shards_give_the_whole_models_logits(model, request):
+    path = str(request.getfixturevalue(model))
+    ids = list(range(3, 40, 2))
+    whole = _dense_logits(path, ids)
+    port = free_port()
+    other = multiprocessing.get_context("spawn").Process(target=_rank_logits,
+                                                         args=(1, 2, port, path, ids))
+    other.start()
+    try:
+        tp = join_group(0, 2, port, CPU, ModelConfig.from_hf(open_checkpoint(Path(path)).hf_config))
+        try:
+            sharded = _dense_logits(path, ids, tp)
+        finally:
+            leave_group()
+    finally:
+        other.join(30)
+    assert other.exitcode == 0
+    assert sharded.shape == whole.shape
+    torch.testing.assert_close(sharded, whole, atol=1e-4, rtol=0)
+
+
+def _generate(path: Path, size: int) -> tuple[list, dict]:
+    with LLM(str(path), tensor_parallel_size=size, **KW) as llm:
+        outs = llm.generate(PROMPTS + PROMPTS[:1], [GREEDY] * len(PROMPTS) + [SAMPLED])
+        outs += llm.generate(PROMPTS[2:3], GREEDY)          # its full blocks are cached now
+        return outs, llm.stats()
+
+
+@pytest.mark.parametrize("model,size", [("tiny_qwen3", 2), ("tiny_qwen2", 2), ("tiny_qwen2", 4)])
+def test_generate_gives_one_ranks_tokens_and_logprobs(model, size, request):
+    """Chunked prefill, a cached prefix and a seeded sampled request, over 2 ranks, and over 4
+    where the 2 KV heads are replicated."""
+    path = request.getfixturevalue(model)
+    want, _ = _generate(path, 1)
+    got, stats = _generate(path, size)
+    for ours, theirs in zip(got, want):
+        assert ours.token_ids == theirs.token_ids
+        assert ours.finish_reason == theirs.finish_reason == "length"
+    for ours, theirs in zip(got, want):
+        if ours.outputs[0].logprobs is None:
+            continue
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["prefix_cache_hits"] > 0
+
+
+def test_quest_selects_for_each_ranks_own_kv_heads(tiny_qwen3):
+    prompts = ["one two three four five six seven " * 12, "hello " * 50]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for size in (1, 2):
+        with LLM(str(tiny_qwen3), tensor_parallel_size=size, sparse_policy="quest",
+                 sparse_budget=64, **KW) as llm:
+            runs.append(([out.token_ids for out in llm.generate(prompts, params)], llm.stats()))
+    (want, whole), (got, shard) = runs
+    assert got == want
+    assert sum(whole["quest_selections"]) > 0
+    # rank 0 holds one of the two KV heads, and its stats count its own selections
+    assert sum(shard["quest_selections"]) * 2 == sum(whole["quest_selections"])
+
+
+def test_a_gguf_model_splits_over_three_ranks(smollm2_path):
+    """SmolLM2: 9 heads and 3 KV heads; every rank dequantizes each tensor and keeps its part."""
+    prompts = ["The capital of France is", [{"role": "user", "content": "Count to 5."}]]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
+    runs = []
+    for size in (1, 3):
+        with LLM(str(smollm2_path), tensor_parallel_size=size, device="cpu", dtype="float32",
+                 num_kv_blocks=32, max_model_len=256, show_progress=False) as llm:
+            runs.append(llm.generate(prompts, params))
+    for ours, theirs in zip(runs[1], runs[0]):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs, theirs.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+# ---- the async engine ------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_streams_cancelled_and_aborted_under_tp_return_every_block(tiny_qwen3):
+    want = {}
+    with LLM(str(tiny_qwen3), **KW) as llm:
+        for i, out in enumerate(llm.generate([f"story {i}:" for i in range(6)], GREEDY)):
+            want[i] = out.token_ids
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async with Engine(str(tiny_qwen3), tensor_parallel_size=2, **KW) as engine:
+        idle = engine.stats()["kv_blocks_free"]
+        results: dict[int, list[int]] = {}
+
+        async def finish(i):
+            results[i] = [t.token_id async for t in engine.stream(f"story {i}:", GREEDY) if t.token_id >= 0]
+
+        async def cancel(i):
+            async for tok in engine.stream(f"story {i}:", long):
+                if tok.index >= 4:
+                    break                              # leaving the loop aborts it
+
+        async def abort(i):
+            reasons = [t.finish_reason async for t in engine.stream(f"story {i}:", long, f"abort-{i}")]
+            assert reasons[-1] == "abort"
+
+        async def aborter():
+            while engine.stats()["running"] < 3:
+                await anyio.sleep(0.01)
+            for i in (4, 5):
+                await engine.abort(f"abort-{i}")
+
+        async with anyio.create_task_group() as group:
+            for i in range(2):
+                group.start_soon(finish, i)
+            for i in (2, 3):
+                group.start_soon(cancel, i)
+            for i in (4, 5):
+                group.start_soon(abort, i)
+            group.start_soon(aborter)
+        with anyio.fail_after(10):
+            while engine.stats()["requests"]:
+                await anyio.sleep(0.01)
+        stats = engine.stats()
+        assert stats["kv_blocks_free"] == idle == stats["kv_blocks_total"]
+        assert stats["running"] == 0 and stats["fault"] is None
+        assert engine.running
+    assert results == {0: want[0], 1: want[1]}
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_a_killed_rank_ends_the_engine_and_every_request_and_leaves_no_process(tiny_qwen3):
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    ends = {}
+    async with Engine(str(tiny_qwen3), tensor_parallel_size=2, **KW) as engine:
+        pids = engine.core.workers.pids
+
+        async def run(i):
+            async for tok in engine.stream(f"prompt {i}", long):
+                if i == 0 and tok.index == 3:
+                    os.kill(pids[0], signal.SIGKILL)
+                if tok.finish_reason is not None:
+                    ends[i] = tok
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as group:
+                for i in range(3):
+                    group.start_soon(run, i)
+        assert not engine.running
+        assert "rank 1 died (exit code -9)" in engine.stats()["fault"]
+        with pytest.raises(Exception, match="stopped after a fault"):
+            await engine.generate("more", long)
+    assert sorted(ends) == [0, 1, 2]
+    for tok in ends.values():
+        assert tok.finish_reason == "error"
+        assert "tensor-parallel rank 1 died" in tok.error
+    assert _wait_gone(pids) == []
+    assert multiprocessing.active_children() == []
+
+
+def test_ranks_exit_when_the_engines_process_dies(tiny_qwen3, tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        from astream import LLM
+        if __name__ == "__main__":
+            llm = LLM({str(tiny_qwen3)!r}, tensor_parallel_size=3 - 1, device="cpu", dtype="float32",
+                      num_kv_blocks=32, max_model_len=256, show_progress=False)
+            print(*llm.core.workers.pids, flush=True)
+            time.sleep(600)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(pid) for pid in driver.stdout.readline().split()]
+        assert len(pids) == 1 and _alive(pids[0])
+    finally:
+        driver.kill()
+        driver.wait()
+    assert _wait_gone(pids) == []
