@@ -8,11 +8,12 @@ from astream.policies.full import FullPolicy
 from astream.policies.minference import MInferencePolicy
 from astream.policies.quest import QuestPolicy, QuestRuntime
 from astream.policies.spec import parse_policy_spec
+from astream.policies.window import WindowPolicy
 from astream.policies.xattention import XAttentionPolicy
 
 POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy,
                                             "xattention": XAttentionPolicy,
-                                            "minference": MInferencePolicy}
+                                            "minference": MInferencePolicy, "window": WindowPolicy}
 
 
 def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> SparsePolicy:
@@ -100,4 +101,4 @@ def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None)
 
 __all__ = ["CombinedPolicy", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
            "PageSelection", "PolicyRuntime", "QuestPolicy", "QuestRuntime", "SparsePolicy",
-           "XAttentionPolicy", "check_policy_mode", "make_policy"]
+           "WindowPolicy", "XAttentionPolicy", "check_policy_mode", "make_policy"]
