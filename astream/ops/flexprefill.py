@@ -96,8 +96,8 @@ def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float) -> Es
         padded = torch.nn.functional.pad(probs.mean(1), (0, n_kb * block - n_k))
         vertical[h0:h1] = padded.view(h1 - h0, n_kb, block).sum(-1)
         cum = torch.nn.functional.pad(probs.cumsum_(-1), (1, 0))          # [h, L, Tk + 1]
-        index = upper.expand(h1 - h0, -1, -1)
-        per_row = cum.gather(-1, index) - cum.gather(-1, lower.expand(h1 - h0, -1, -1))
+        per_row = cum.gather(-1, upper.expand(h1 - h0, -1, -1)) \
+            - cum.gather(-1, lower.expand(h1 - h0, -1, -1))
         slash[h0:h1] = per_row.mean(1)
     mean_query = rows.mean(0)                                               # [H, D]
     keys = block_means(k, block).repeat_interleave(group, dim=0)            # [H, n_kb, D]
