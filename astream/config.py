@@ -77,8 +77,9 @@ class EngineConfig:
     offload_prefetch_layers: int | None = option(
         None, "deprecated: use offload_ring_slots (= offload_prefetch_layers + 1)")
     sparse_policy: object = option(        # a policy name (policies/) or a SparsePolicy instance
-        "full", "full, quest, window, xattention, minference, or a prefill+decode pair such "
-        "as xattention+quest; parameters in parentheses, e.g. 'xattention(threshold=0.95)'")
+        "full", "full, quest, window, xattention, minference, flexprefill, or a prefill+decode "
+        "pair such as xattention+quest; parameters in parentheses, e.g. "
+        "'xattention(threshold=0.95)'")
     sparse_budget: int | None = option(
         None, "KV tokens a sparse decode policy (quest, window) reads per step")
     kv_cache_dtype: str = option(          # how K/V are stored (docs/ENGINE.md, "FP8 KV cache")

@@ -156,8 +156,8 @@ def test_help_mentions_raw_chat_default_and_settings(capsys):
     (["generate", "--max-tokens", "-5", "hi"], {},
      "argument --max-tokens: must be an integer >= 1 and < 2^31, got -5"),
     (["generate", "--sparse-policy", "bogus", "hi"], {},
-     "argument --sparse-policy: unknown sparse policy 'bogus'; use one of ['full', 'minference', "
-     "'quest', 'xattention']\n"),
+     "argument --sparse-policy: unknown sparse policy 'bogus'; use one of ['flexprefill', 'full', "
+     "'minference', 'quest', 'window', 'xattention']\n"),
     (["generate", "--kv-cache-scale", "2", "hi"], {},
      "argument --kv-cache-scale: applies to an fp8 --kv-cache-dtype only"),
     (["serve", "--port", "70000"], {}, "argument --port: must be in [0, 65535], got 70000"),

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from astream import LLM, SamplingParams
-from astream.policies import CombinedPolicy, MInferencePolicy, QuestPolicy, XAttentionPolicy
+from astream.policies import (
+    CombinedPolicy, FlexPrefillPolicy, MInferencePolicy, QuestPolicy, XAttentionPolicy,
+)
 
 KW = dict(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=2048, kv_block_size=16,
           max_num_batched_tokens=256)
@@ -19,6 +21,7 @@ POLICIES = [
     pytest.param(XATTENTION, id="xattention"),
     pytest.param(MInferencePolicy(vertical_size=64, slash_size=64, scale_with_length=False, sink=4,
                                   local=16, block_size=16), id="minference"),
+    pytest.param(FlexPrefillPolicy(gamma=0.6, tau=0.3, min_budget=16, block_size=16), id="flexprefill"),
     pytest.param(CombinedPolicy(prefill=XATTENTION, decode=QuestPolicy(budget_tokens=128)),
                  id="xattention+quest"),
 ]

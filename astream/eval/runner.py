@@ -137,9 +137,11 @@ async def run_cell(engine: Engine, trials: Sequence[Trial], config: str = "defau
 
 def policy_activity(before: dict, after: dict) -> dict:
     """What the sparse policy did between two engine.stats(): the share of what prefill could
-    see that XAttention or MInference read, and the pages a Quest selection read on average."""
+    see that XAttention, MInference or FlexPrefill read, and the pages a Quest selection read
+    on average."""
     out = {}
-    for method, totals in (("xattention", "xattention_blocks"), ("minference", "minference_keys")):
+    for method, totals in (("xattention", "xattention_blocks"), ("minference", "minference_keys"),
+                            ("flexprefill", "flexprefill_blocks")):
         if totals in after:
             read, visible = (a - b for a, b in zip(after[totals], before[totals]))
             out[f"{method}_density"] = round(read / visible, 4) if visible else None

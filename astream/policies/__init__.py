@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
 from astream.policies.combined import CombinedPolicy
+from astream.policies.flexprefill import FlexPrefillPolicy
 from astream.policies.full import FullPolicy
 from astream.policies.minference import MInferencePolicy
 from astream.policies.quest import QuestPolicy, QuestRuntime
@@ -13,7 +14,8 @@ from astream.policies.xattention import XAttentionPolicy
 
 POLICIES: dict[str, type[SparsePolicy]] = {"full": FullPolicy, "quest": QuestPolicy,
                                             "xattention": XAttentionPolicy,
-                                            "minference": MInferencePolicy, "window": WindowPolicy}
+                                            "minference": MInferencePolicy,
+                                            "flexprefill": FlexPrefillPolicy, "window": WindowPolicy}
 
 
 def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> SparsePolicy:
@@ -99,6 +101,7 @@ def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None)
         raise ValueError(f"sparse_policy {spec!r}: {exc}") from None
 
 
-__all__ = ["CombinedPolicy", "DecodeQuery", "FullPolicy", "KVLayout", "MInferencePolicy", "POLICIES",
+__all__ = ["CombinedPolicy", "DecodeQuery", "FlexPrefillPolicy", "FullPolicy", "KVLayout",
+           "MInferencePolicy", "POLICIES",
            "PageSelection", "PolicyRuntime", "QuestPolicy", "QuestRuntime", "SparsePolicy",
            "WindowPolicy", "XAttentionPolicy", "check_policy_mode", "make_policy"]

@@ -67,7 +67,7 @@ class MInferencePolicy(SparsePolicy):
 class MInferenceRuntime(SequencePrefillRuntime):
     policy: MInferencePolicy          # counters: keys read, keys its query blocks could see
 
-    def attend_sequence(self, q: Tensor, k: Tensor, v: Tensor,
+    def attend_sequence(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                         scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
         policy, block = self.policy, self.policy.block_size
         vertical, slash = policy.sizes(k.shape[0])

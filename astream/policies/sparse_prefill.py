@@ -24,7 +24,7 @@ class SequencePrefillRuntime(PolicyRuntime):
 
     counters: Tensor                  # [layers, 2]: what prefill read, what it could see
 
-    def attend_sequence(self, q: Tensor, k: Tensor, v: Tensor,
+    def attend_sequence(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                         scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
         """(out, lse, read: a device count, visible: a host count) for one chunk."""
         raise NotImplementedError
@@ -44,7 +44,7 @@ class SequencePrefillRuntime(PolicyRuntime):
             if q1 == q0:
                 continue
             out[q0:q1], lse[q0:q1], read, visible = self.attend_sequence(
-                q[q0:q1], k[k0:k1], v[k0:k1], scale)
+                layer, q[q0:q1], k[k0:k1], v[k0:k1], scale)
             self.counters[layer, 0] += read
             self.counters[layer, 1] += visible
         return out, lse

@@ -52,7 +52,7 @@ class XAttentionPolicy(SparsePolicy):
 class XAttentionRuntime(SequencePrefillRuntime):
     policy: XAttentionPolicy          # counters: blocks kept, blocks causally visible
 
-    def attend_sequence(self, q: Tensor, k: Tensor, v: Tensor,
+    def attend_sequence(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
                         scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
         block = self.policy.block_size
         mask = self._mask(q, k, scale)
