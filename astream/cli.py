@@ -1,4 +1,4 @@
-"""The `astream` command: generate | chat | serve | graph | eval.
+"""The `astream` command: generate | chat | serve | graph | eval | worker.
 
 Engine, sampling and server options are derived from the fields of EngineConfig,
 SamplingParams and ServerOptions, so a new knob shows up here without edits.
@@ -92,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=SETTINGS_EPILOG)
     graph = commands.add_parser("graph", help="print the engine's stage graph")
     graph.set_defaults(run=_graph, command_parser=graph)
+    worker = commands.add_parser(
+        "worker", help="run the tensor-parallel ranks of a host other than node 0",
+        description="Run this host's tensor-parallel ranks for an engine started on node 0 "
+        "with the same --nnodes and --tensor-parallel-size (and --node-rank 0, the default). "
+        "Both hosts need $MASTER_ADDR (node 0's address) and $MASTER_PORT (a free port there). "
+        "Node 0 sends every other setting; this host serves no API and exits when node 0's "
+        "engine stops.", epilog=SETTINGS_EPILOG)
+    worker.set_defaults(run=_worker)
+    worker.add_argument("--model", metavar="PATH", help="where this host keeps the checkpoint "
+                        "(default: the path node 0 loads it from)")
+    _add_options(worker.add_argument_group("engine options"), EngineConfig,
+                 {f.name for f in dataclasses.fields(EngineConfig)} - set(WORKER_OPTIONS))
     for sub, run in ((generate, _generate), (chat, _chat), (serve, _serve)):
         sub.set_defaults(run=run)
         sub.add_argument("--model", metavar="PATH", help="HF folder, .gguf file or Hugging Face hub "
@@ -178,6 +190,10 @@ def _flag_kind(field: dataclasses.Field) -> str | None:
     return default_kind if default_kind in _SCALARS else None
 
 
+# What `astream worker` takes on its command line; node 0 sends it every other setting.
+WORKER_OPTIONS = ("tensor_parallel_size", "nnodes", "node_rank", "device")
+
+
 def _engine_skip(run) -> set[str]:
     # --seed of generate/chat is the request's (SamplingParams.seed), not the engine default.
     return {"model"} if run is _serve else {"model", "seed"}
@@ -247,6 +263,12 @@ def _configs(args: argparse.Namespace) -> tuple:
 
     if args.run is _graph:
         return ()
+    if args.run is _worker:
+        config = EngineConfig(**_pick(args, EngineConfig, {"model"}))
+        if config.node_rank == 0:
+            raise ValueError("node_rank 0 runs the engine itself (generate, chat or serve with "
+                             "--nnodes); a worker has --node-rank 1 or more")
+        return (config,)
     from astream.engine import Engine
 
     engine = _pick(args, EngineConfig, _engine_skip(args.run))
@@ -316,6 +338,14 @@ CHAT_COMMANDS = {"/help": "lists these commands", "/reset": "clears the conversa
 async def _graph(args: argparse.Namespace) -> None:
     from astream.stages.graph import render
     print(render())
+
+
+async def _worker(args: argparse.Namespace, config) -> None:
+    from astream.parallel.worker import run_node
+
+    code = run_node(config, args.model)
+    if code:
+        raise SystemExit(code)
 
 
 async def _generate(args: argparse.Namespace, engine_kw: dict, params) -> None:

@@ -69,7 +69,8 @@ class EngineConfig:
         False, "keep the KV cache in pinned host memory behind a small GPU ring buffer, "
         "loaded layer by layer (long prompts on little GPU memory)")
     offload_host_gib: float | None = option(
-        None, "host KV pool in GiB with offload; unset: what max_num_seqs full sequences need")
+        None, "host KV pool in GiB with offload, all tensor-parallel ranks together (each pins "
+        "its share); unset: what max_num_seqs full sequences need")
     offload_ring_slots: int = option(
         3, "device buffers host KV loads into with offload; loads run this many layers ahead")
     offload_slot_tokens: int | None = option(
@@ -91,6 +92,13 @@ class EngineConfig:
     tensor_parallel_size: int = option(
         1, "processes (one GPU each, or CPU ranks over gloo) the model's heads, MLP and "
         "vocabulary are split across; the engine spawns the other ranks itself")
+    nnodes: int = option(
+        1, "hosts the tensor-parallel ranks span, tensor_parallel_size / nnodes on each; with "
+        "more than one they meet through torch.distributed's env:// rendezvous at "
+        "$MASTER_ADDR:$MASTER_PORT (node 0's address and a free port there)")
+    node_rank: int = option(
+        0, "this host's place among nnodes: node 0 runs the engine and its ranks; any other "
+        "host runs only tensor-parallel ranks, started with `astream worker`")
     show_progress: bool | None = option(
         None, "show model loading on stderr (a bar, then the time it took); unset: when stderr "
         "is a terminal, unless $ASTREAM_SHOW_PROGRESS is 0")
@@ -104,15 +112,23 @@ class EngineConfig:
             self.offload_prefetch_layers = None
         self.validate()
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
     def validate(self) -> None:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("offload_ring_slots", self.offload_ring_slots)
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("stream_buffer_tokens", self.stream_buffer_tokens)
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.tensor_parallel_size > 1 and self.offload:
-            raise ValueError("offload does not work with tensor_parallel_size > 1 yet; "
-                             "use one of them")
+        _positive("nnodes", self.nnodes)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes - 1 = {self.nnodes - 1}], "
+                             f"got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} does not split over "
+                             f"nnodes {self.nnodes}: every node runs the same number of ranks")
         for name in ("max_model_len", "max_num_batched_tokens", "num_kv_blocks", "kv_block_size",
                      "offload_slot_tokens", "sparse_budget"):
             value = getattr(self, name)

@@ -53,6 +53,9 @@ class Engine:
         """Validate engine options without loading anything: the EngineConfig they make, or a
         TypeError / ValueError naming the bad option."""
         engine_config = EngineConfig.from_kwargs(model, **config)
+        if engine_config.node_rank > 0:
+            raise ValueError(f"node_rank {engine_config.node_rank} runs only tensor-parallel "
+                             "ranks and no engine: start that host with `astream worker`")
         check_policy_mode(make_policy(engine_config.sparse_policy, engine_config.sparse_budget),
                           engine_config.offload)
         return engine_config

@@ -57,8 +57,7 @@ def test_tensor_parallel_size_is_an_engine_option_and_a_flag(tiny_qwen3):
     assert EngineConfig().tensor_parallel_size == 1
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="offload does not work with tensor_parallel_size"):
-        EngineConfig(tensor_parallel_size=2, offload=True)
+    assert EngineConfig(tensor_parallel_size=2, offload=True).offload
     _, (engine, _) = parse_command(["generate", "hi", "--model", str(tiny_qwen3),
                                     "--tensor-parallel-size", "2"], {})
     assert engine["tensor_parallel_size"] == 2
@@ -119,8 +118,8 @@ def test_two_shards_give_the_whole_models_logits(model, request):
     torch.testing.assert_close(sharded, whole, atol=1e-4, rtol=0)
 
 
-def _generate(path: Path, size: int) -> tuple[list, dict]:
-    with LLM(str(path), tensor_parallel_size=size, **KW) as llm:
+def _generate(path: Path, size: int, **options) -> tuple[list, dict]:
+    with LLM(str(path), tensor_parallel_size=size, **{**KW, **options}) as llm:
         outs = llm.generate(PROMPTS + PROMPTS[:1], [GREEDY] * len(PROMPTS) + [SAMPLED])
         outs += llm.generate(PROMPTS[2:3], GREEDY)          # its full blocks are cached now
         return outs, llm.stats()
@@ -144,6 +143,33 @@ def test_generate_gives_one_ranks_tokens_and_logprobs(model, size, request):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["prefix_cache_hits"] > 0
+
+
+def _same_outputs(got: list, want: list) -> None:
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours.token_ids == theirs.token_ids
+        for a, b in zip(ours.outputs[0].logprobs or [], theirs.outputs[0].logprobs or []):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+# Ring slots of two blocks: every context but the shortest crosses several slots.
+OFFLOAD = dict(offload=True, offload_slot_tokens=32)
+
+
+@pytest.mark.parametrize("model", ["tiny_qwen3", "tiny_qwen2"])
+def test_offload_under_tp_gives_one_ranks_and_the_resident_tokens(model, request):
+    """Each rank loads its own KV heads from its own host pool: the same tokens and logprobs
+    as one rank with offload, and as two ranks without."""
+    path = request.getfixturevalue(model)
+    one, _ = _generate(path, 1, **OFFLOAD)
+    resident, _ = _generate(path, 2)
+    got, stats = _generate(path, 2, **OFFLOAD)
+    _same_outputs(got, one)
+    _same_outputs(got, resident)
+    assert stats["offload"] and stats["offload_bytes_loaded"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["offload_tail_blocks_used"] == 0
 
 
 def test_quest_selects_for_each_ranks_own_kv_heads(tiny_qwen3):
@@ -176,16 +202,37 @@ def test_a_gguf_model_splits_over_three_ranks(smollm2_path):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
+def test_quest_with_offload_under_tp_selects_per_rank(tiny_qwen3):
+    """Each rank's Quest chooses pages of its own KV heads from its own host pool: the same
+    tokens as one rank's, and Full's for the rows the budget covers (the long one makes the
+    sparse layers select)."""
+    prompts = ["one two three four five six seven " * 12, "hello there", "The quick brown fox"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    runs = {}
+    quest = "quest(dense_layers=1, budget_tokens=48)"
+    for name, size, policy in (("full", 1, "full"), ("quest1", 1, quest), ("quest2", 2, quest)):
+        with LLM(str(tiny_qwen3), tensor_parallel_size=size, sparse_policy=policy,
+                 **{**KW, **OFFLOAD}) as llm:
+            runs[name] = (llm.generate(prompts, params), llm.stats())
+    _same_outputs(runs["quest2"][0], runs["quest1"][0])
+    _same_outputs(runs["quest2"][0][1:], runs["full"][0][1:])
+    whole, shard = runs["quest1"][1], runs["quest2"][1]
+    assert sum(shard["quest_selections"]) > 0
+    assert sum(shard["quest_selections"]) * 2 == sum(whole["quest_selections"])
+    assert shard["kv_blocks_free"] == shard["kv_blocks_total"]
+
+
 # ---- the async engine ------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_streams_cancelled_and_aborted_under_tp_return_every_block(tiny_qwen3):
+@pytest.mark.parametrize("options", [{}, OFFLOAD], ids=["resident", "offload"])
+async def test_streams_cancelled_and_aborted_under_tp_return_every_block(tiny_qwen3, options):
     want = {}
     with LLM(str(tiny_qwen3), **KW) as llm:
         for i, out in enumerate(llm.generate([f"story {i}:" for i in range(6)], GREEDY)):
             want[i] = out.token_ids
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    async with Engine(str(tiny_qwen3), tensor_parallel_size=2, **KW) as engine:
+    async with Engine(str(tiny_qwen3), tensor_parallel_size=2, **{**KW, **options}) as engine:
         idle = engine.stats()["kv_blocks_free"]
         results: dict[int, list[int]] = {}
 
@@ -277,3 +324,50 @@ def test_ranks_exit_when_the_engines_process_dies(tiny_qwen3, tmp_path):
         driver.kill()
         driver.wait()
     assert _wait_gone(pids) == []
+
+
+# ---- beyond one host ---------------------------------------------------------------------------
+
+def test_nnodes_and_node_rank_are_options_and_a_worker_command(tiny_qwen3, monkeypatch):
+    with pytest.raises(ValueError, match=r"node_rank must be in \[0, nnodes - 1 = 1\], got 2"):
+        EngineConfig(tensor_parallel_size=2, nnodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not split over nnodes 2"):
+        EngineConfig(tensor_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank 1 runs only tensor-parallel ranks and no "
+                                         "engine: start that host with `astream worker`"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=2, nnodes=2, node_rank=1, **KW)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(ValueError, match="nnodes > 1 needs MASTER_ADDR and MASTER_PORT set"):
+        LLM(str(tiny_qwen3), tensor_parallel_size=2, nnodes=2, **KW)
+    _, (engine, _) = parse_command(["generate", "hi", "--model", str(tiny_qwen3), "--nnodes", "2",
+                                    "--tensor-parallel-size", "2"], {})
+    assert (engine["nnodes"], engine["tensor_parallel_size"]) == (2, 2)
+    args, (config,) = parse_command(["worker", "--nnodes", "2", "--node-rank", "1",
+                                     "--tensor-parallel-size", "2", "--device", "cpu"], {})
+    assert (config.nnodes, config.node_rank, config.device, args.model) == (2, 1, "cpu", None)
+    with pytest.raises(SystemExit):                   # node 0 is the engine's, not a worker's
+        parse_command(["worker", "--nnodes", "2", "--tensor-parallel-size", "2"], {})
+
+
+def test_two_hosts_on_loopback_give_one_ranks_tokens(tiny_qwen3, monkeypatch):
+    """Two processes that meet as two "hosts" through env:// on 127.0.0.1, one rank each:
+    node 1 runs `astream worker` and takes every other setting from node 0."""
+    want, _ = _generate(tiny_qwen3, 1)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
+    node1 = subprocess.Popen([sys.executable, "-m", "astream.cli", "worker", "--nnodes", "2",
+                              "--node-rank", "1", "--tensor-parallel-size", "2", "--device", "cpu"],
+                             env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        for name, value in rendezvous.items():
+            monkeypatch.setenv(name, value)
+        got, stats = _generate(tiny_qwen3, 2, nnodes=2)
+        _, errors = node1.communicate(timeout=60)      # it exits once node 0's engine stops
+        assert node1.returncode == 0, errors
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
+    _same_outputs(got, want)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

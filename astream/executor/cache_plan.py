@@ -44,11 +44,16 @@ def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: Engin
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
                 device_reserve_bytes: int = 0) -> CacheSpec:
+    """Under tensor parallelism each rank plans its own shard's cache: its share of
+    `offload_host_gib`, and of this host's RAM with the other ranks that pin pools in it."""
+    ranks = config.tensor_parallel_size
+    host_gib = None if config.offload_host_gib is None else config.offload_host_gib / ranks
     return CacheSpec(
         block_size=config.block_size, max_num_seqs=config.max_num_seqs, offload=config.offload,
         max_model_len=config.max_model_len, max_num_batched_tokens=config.max_num_batched_tokens,
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
-        cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=config.offload_host_gib,
+        cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=host_gib,
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
         kv_overhead=kv_overhead, whole_prefix=sparse_prefill and config.offload,
-        device_reserve_bytes=device_reserve_bytes)
+        device_reserve_bytes=device_reserve_bytes,
+        host_ranks=config.ranks_per_node)

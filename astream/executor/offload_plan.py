@@ -1,7 +1,9 @@
 """The host-side plan of one offloaded step: what to load, where new KV goes, what leaves.
 
 Built once per step on the event-loop thread (it reads sequence state) and used by
-every layer, since every layer moves the same blocks. KV of a sequence lives in
+every layer, since every layer moves the same blocks. It is built in two parts: host
+lists (HostOffloadPlan), which tensor-parallel ranks get with the step's inputs since
+only rank 0 holds the sequences, and the device tensors each rank makes of them. KV of a sequence lives in
 host blocks, except its newest, not yet full block, which stays in a device tail.
 Prefill chunks start on a block boundary (the scheduler aligns them), so a chunk's
 earlier context is always whole host blocks.
@@ -9,6 +11,7 @@ earlier context is always whole host blocks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +34,7 @@ class JobTemplate:
     prefill_cu_k: list[int] = field(default_factory=lambda: [0])
     decode_rows: list[int] = field(default_factory=list)
     decode_tables: list[list[int]] = field(default_factory=list)
-    # Device tensors, filled by `finalize`.
+    # Device tensors, set on the copy `_finalize` returns (the host plan's stay None).
     prefill_index: torch.Tensor | None = None
     prefill_meta: VarlenMeta | None = None
     prefill_blocks: int = 0
@@ -183,9 +186,17 @@ class _PlanBuilder:
 def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
                        device: torch.device, sparse_decode: bool = False,
                        whole_prefill: tuple[bool, ...] = ()) -> OffloadStepPlan:
-    """The step's plan. The jobs that sparse decode layers (`sparse_decode`: some layer may
-    select pages) and whole-prefill layers (`whole_prefill`, per layer) read are built only
-    when the policy may ask for them."""
+    """The step's plan on `device` (`plan_offload`, then sent)."""
+    return plan_offload(batch, block_size, slot_blocks, tails, sparse_decode,
+                        whole_prefill).send(device)
+
+
+def plan_offload(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
+                 sparse_decode: bool = False, whole_prefill: tuple[bool, ...] = ()
+                 ) -> "HostOffloadPlan":
+    """The step's plan as host lists. The jobs that sparse decode layers (`sparse_decode`:
+    some layer may select pages) and whole-prefill layers (`whole_prefill`, per layer) read
+    are built only when the policy may ask for them."""
     plan = _PlanBuilder(block_size, slot_blocks, sparse_decode, any(whole_prefill))
     row = 0
     for item in batch.items:
@@ -195,22 +206,39 @@ def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
         else:
             plan.decode(item.seq, item.start, row, tail)
         row += item.num_tokens
-    for job in plan.jobs + plan.prefill_jobs + plan.decode_jobs:
-        _finalize(job, block_size, device)
-    new_kv = NewKV(staging_rows=_tensor(plan.staging_rows, torch.int64, device),
-                   staging_index=_tensor(plan.staging_index, torch.int64, device),
-                   tail_rows=_tensor(plan.tail_rows, torch.int64, device),
-                   tail_index=_tensor(plan.tail_index, torch.int64, device),
-                   staging_to_host=tuple(plan.staging_runs), tails_to_host=tuple(plan.tail_offloads))
-    return OffloadStepPlan(
-        jobs=plan.jobs, prefill_jobs=plan.prefill_jobs, decode_jobs=plan.decode_jobs,
-        num_prefill_tokens=plan.chunk_cu[-1],
-        chunk_meta=varlen_meta(plan.chunk_cu, plan.chunk_cu, device) if len(plan.chunk_cu) > 1 else None,
-        new_kv=new_kv, decode_tail_tables=_tensor(plan.tail_tables, torch.int32, device),
-        decode_tail_lens=_tensor(plan.tail_lens, torch.int32, device),
-        decode_context=_decode_context(plan, device),
-        prefill_context=_prefill_context(plan, device) if plan.whole_prefill and len(plan.chunk_cu) > 1
-        else None, whole_prefill=whole_prefill)
+    return HostOffloadPlan(plan, whole_prefill)
+
+
+@dataclass(slots=True)
+class HostOffloadPlan:
+    """One step's offload plan before it goes to a device: plain lists that pickle small.
+    Tensor-parallel ranks get it from rank 0 with the step's inputs, and each sends it to
+    its own device: every rank moves the same blocks, each of its own KV heads."""
+
+    lists: _PlanBuilder
+    whole_prefill: tuple[bool, ...]
+
+    def send(self, device: torch.device) -> OffloadStepPlan:
+        plan, block_size = self.lists, self.lists.block_size
+        new_kv = NewKV(staging_rows=_tensor(plan.staging_rows, torch.int64, device),
+                       staging_index=_tensor(plan.staging_index, torch.int64, device),
+                       tail_rows=_tensor(plan.tail_rows, torch.int64, device),
+                       tail_index=_tensor(plan.tail_index, torch.int64, device),
+                       staging_to_host=tuple(plan.staging_runs),
+                       tails_to_host=tuple(plan.tail_offloads))
+        return OffloadStepPlan(
+            jobs=[_finalize(job, block_size, device) for job in plan.jobs],
+            prefill_jobs=[_finalize(job, block_size, device) for job in plan.prefill_jobs],
+            decode_jobs=[_finalize(job, block_size, device) for job in plan.decode_jobs],
+            num_prefill_tokens=plan.chunk_cu[-1],
+            chunk_meta=varlen_meta(plan.chunk_cu, plan.chunk_cu, device) if len(plan.chunk_cu) > 1
+            else None,
+            new_kv=new_kv, decode_tail_tables=_tensor(plan.tail_tables, torch.int32, device),
+            decode_tail_lens=_tensor(plan.tail_lens, torch.int32, device),
+            decode_context=_decode_context(plan, device),
+            prefill_context=_prefill_context(plan, device)
+            if plan.whole_prefill and len(plan.chunk_cu) > 1 else None,
+            whole_prefill=self.whole_prefill)
 
 
 def _prefill_context(plan: _PlanBuilder, device: torch.device) -> PrefillContext:
@@ -263,7 +291,9 @@ def _runs(pairs) -> list[Run]:
     return runs
 
 
-def _finalize(job: JobTemplate, bs: int, device: torch.device) -> None:
+def _finalize(job: JobTemplate, bs: int, device: torch.device) -> JobTemplate:
+    """A copy of `job` with its device tensors; the host lists are shared, not copied."""
+    job = dataclasses.replace(job)
     if job.prefill_rows:
         cu_k = [c * bs for c in job.prefill_cu_k]
         job.prefill_index = _tensor(job.prefill_rows, torch.int64, device)
@@ -276,6 +306,7 @@ def _finalize(job: JobTemplate, bs: int, device: torch.device) -> None:
         lens = [len(t) * bs for t in job.decode_tables]
         job.decode_lens = _tensor(lens, torch.int32, device)
         job.decode_max = max(lens)
+    return job
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:

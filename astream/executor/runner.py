@@ -21,7 +21,7 @@ from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
 from astream.executor.offload_graphs import OffloadDecodeGraphs
-from astream.executor.offload_plan import OffloadStepPlan, TailSlots, build_offload_plan
+from astream.executor.offload_plan import HostOffloadPlan, OffloadStepPlan, TailSlots, plan_offload
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
 from astream.kvcache.kv_format import KVFormat
@@ -41,11 +41,20 @@ StepProgram = Generator[Event, None, "StepOutput"]
 class StepFollowers(Protocol):
     """The other tensor-parallel ranks, seen from rank 0 (astream.parallel)."""
 
-    def send(self, inputs: HostInputs) -> None:
+    def send(self, step: "HostStep") -> None:
         """Hand every other rank the step about to run."""
 
     def failed(self, error: BaseException) -> Exception:
         """A step that had started on every rank raised: stop them all; the error to raise."""
+
+
+@dataclass(slots=True)
+class HostStep:
+    """What another tensor-parallel rank needs of a step, as host data built on rank 0 (the
+    only rank that holds the sequences): its inputs and, with offload, the offload plan."""
+
+    inputs: HostInputs
+    offload: HostOffloadPlan | None = None
 
 
 @dataclass(slots=True)
@@ -57,7 +66,7 @@ class PreparedStep:
     sampling: SamplingBatch
     sampled: list[Sequence]             # sequences that get a token, in row order
     offload_plan: OffloadStepPlan | None = None
-    host: HostInputs | None = None      # `inputs` before they left the host, for other ranks
+    host: HostStep | None = None        # the step before it left the host, for other ranks
 
 
 @dataclass(slots=True)
@@ -111,15 +120,16 @@ class ModelRunner:
         inputs = host.send(device)
         sampling = build_sampling_batch(batch.items, self.decoder.config.vocab_size, device,
                                         self.eos_ids)
-        plan = None
+        plan = host_plan = None
         if self.offload is not None:
             layers = range(self.decoder.config.num_layers)
-            plan = build_offload_plan(
-                batch, self.block_size, self.offload.slot_blocks, self.tails, device,
+            host_plan = plan_offload(
+                batch, self.block_size, self.offload.slot_blocks, self.tails,
                 sparse_decode=self.policy.may_select_decode(),
                 whole_prefill=tuple(self.policy.replaces_prefill(layer) for layer in layers))
+            plan = host_plan.send(device)
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
-                            plan, host if self.followers is not None else None)
+                            plan, HostStep(host, host_plan) if self.followers is not None else None)
 
     def launch(self, step: PreparedStep, previous: StepOutput | None) -> StepOutput:
         """Run a step's program straight through (synchronous callers)."""
@@ -145,21 +155,26 @@ class ModelRunner:
             raise self.followers.failed(exc) from exc
 
     @torch.inference_mode()
-    def follow(self, host: HostInputs, previous_ids: torch.Tensor | None) -> torch.Tensor:
+    def follow(self, step: HostStep, previous_ids: torch.Tensor | None) -> torch.Tensor:
         """A follower rank's part of a step rank 0 runs: the same forward pass over this
-        rank's shard and its share of the logits; rank 0 samples and broadcasts the ids,
-        returned for the next step's pending rows."""
-        inputs = host.send(self.runtime.device)
+        rank's shard (and, with offload, its own KV heads' host pool and ring) and its share
+        of the logits; rank 0 samples and broadcasts the ids, returned for the next step's
+        pending rows."""
+        device = self.runtime.device
+        inputs = step.inputs.send(device)
         if inputs.pending_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous_ids[inputs.pending_src])
-        forward = self._forward(inputs)
+        if step.offload is None:
+            forward = self._forward(inputs)
+        else:
+            forward = self._offloaded_forward(inputs, step.offload.send(device))
         try:
             while True:
                 next(forward)
         except StopIteration as stop:
             hidden = stop.value
         self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
-        token_ids = torch.empty(host.num_sampled, dtype=torch.int64, device=self.runtime.device)
+        token_ids = torch.empty(step.inputs.num_sampled, dtype=torch.int64, device=device)
         return self.decoder.tp.broadcast(token_ids)
 
     @torch.inference_mode()
@@ -171,7 +186,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs, step.offload_plan):
             hidden, token_ids = self.graphs.run(inputs, step.offload_plan, step.sampling)
         elif step.offload_plan is not None:
-            hidden = yield from self._offloaded_forward(step)
+            hidden = yield from self._offloaded_forward(inputs, step.offload_plan)
         else:
             hidden = yield from self._forward(inputs)
         logprobs = None
@@ -194,18 +209,19 @@ class ModelRunner:
         attend = PagedAttention(self.cache, inputs.attn, self.backends, self.policy, self.scale)
         return (yield from self._layers(inputs, attend))
 
-    def _offloaded_forward(self, step: PreparedStep) -> Generator[Event, None, torch.Tensor]:
-        plan, engine, layers = step.offload_plan, self.offload, self.decoder.config.num_layers
+    def _offloaded_forward(self, inputs: StepInputs, plan: OffloadStepPlan
+                           ) -> Generator[Event, None, torch.Tensor]:
+        engine, layers = self.offload, self.decoder.config.num_layers
         sparse = sparse_layers(plan, self.policy, layers)
         loads = engine.loads([[] if layer in engine.device_layers else
                               [job.runs for job in plan.layer_jobs(layer, sparse[layer])]
                               for layer in range(layers)])
         on_device = None if engine.on_device is None else PagedAttention(
-            engine.on_device, step.inputs.attn, self.backends, self.policy, self.scale)
-        attend = OffloadAttention(engine, plan, loads, sparse, step.inputs.attn.slot_mapping,
+            engine.on_device, inputs.attn, self.backends, self.policy, self.scale)
+        attend = OffloadAttention(engine, plan, loads, sparse, inputs.attn.slot_mapping,
                                   self.backends, self.policy, self.scale, on_device,
                                   whole_prefill_loads(engine, plan, layers))
-        return (yield from self._layers(step.inputs, attend))
+        return (yield from self._layers(inputs, attend))
 
     def _layers(self, inputs: StepInputs, attend) -> Generator[Event, None, torch.Tensor]:
         """Layer by layer; yields after each so the driver can bound how far the host runs

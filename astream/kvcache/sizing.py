@@ -38,6 +38,7 @@ class CacheSpec:
     kv_overhead: float = 0.0        # device bytes of policy metadata per byte of KV in the cache
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
+    host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
 
 
 @dataclass(slots=True, frozen=True)
@@ -122,7 +123,7 @@ def _host_blocks(cfg: CacheSpec, max_len: int, block: int, block_bytes: int) -> 
     if cfg.offload_host_gib is not None:
         return max(1, int(cfg.offload_host_gib * _GiB) // block_bytes)
     wanted = cfg.max_num_seqs * -(-max_len // block)
-    affordable = int(_host_available_bytes() * 0.5) // block_bytes
+    affordable = int(_host_available_bytes() * 0.5) // cfg.host_ranks // block_bytes
     return max(1, min(wanted, affordable))
 
 

@@ -1,5 +1,6 @@
 """The torch.distributed process group of one engine: gloo on the CPU, NCCL on CUDA,
-its rendezvous on a free loopback port."""
+its rendezvous on a free loopback port, or through env:// ($MASTER_ADDR, $MASTER_PORT)
+when the ranks span several hosts."""
 
 from __future__ import annotations
 
@@ -24,24 +25,39 @@ def free_port() -> int:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r computes on the r-th GPU after rank 0's (the same CPU on the CPU)."""
+    """Rank r (its index on its own host) computes on the r-th GPU after the first one's
+    (the same CPU on the CPU)."""
     if device.type == "cpu":
         return device
     return torch.device(device.type, (device.index or 0) + rank)
 
 
-def join_group(rank: int, size: int, port: int, device: torch.device,
+def join_group(rank: int, size: int, port: int | None, device: torch.device,
                model: ModelConfig) -> TensorParallel:
-    """Join the engine's process group (every rank calls this) as rank `rank` of `size`."""
+    """Join the engine's process group (every rank calls this) as rank `rank` of `size`:
+    on loopback port `port`, or, with None, through env:// (ranks on several hosts)."""
+    init_group(rank, size, port, device)
+    return TensorParallel(TPShard(rank, size, model))
+
+
+def init_group(rank: int, size: int, port: int | None, device: torch.device) -> None:
+    """`join_group` before this rank knows the model's shape."""
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group: one "
                            "tensor-parallel engine per process")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            init_method="env://" if port is None else f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return TensorParallel(TPShard(rank, size, model))
+
+
+def share_from_rank0(value: object = None) -> object:
+    """Every rank calls this once; all get rank 0's `value` (any picklable object)."""
+    values = [value]
+    dist.broadcast_object_list(values, src=0)
+    return values[0]
 
 
 def leave_group() -> None:

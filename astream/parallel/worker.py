@@ -1,15 +1,24 @@
-"""A tensor-parallel rank other than 0: a spawned process that loads its shard, builds its
-own KV cache and runs each step rank 0 hands it, until rank 0 says stop or goes away.
+"""A tensor-parallel rank other than 0: a process that loads its shard, builds its own KV
+cache and runs each step rank 0 hands it, until rank 0 says stop or goes away.
 
-Messages on the pipe from rank 0: ("plan", CachePlan), then one HostInputs per step, then
-None. To rank 0: ("loaded", CachePlan), ("ready", None) or ("error", traceback text).
+A rank on rank 0's host is spawned by the engine and talks to it over a pipe. A rank on
+another host (`astream worker`, run_node) joins through env:// and then connects to rank
+0's step channel (its address and key come from rank 0 over the process group); rank 0
+answers with its settings and checkpoint path, so that host's command line names only
+the ranks' layout.
+
+Messages from rank 0: ("plan", CachePlan), then one HostStep per step, then None. To rank
+0: ("hello", rank) on a connection, ("loaded", CachePlan), ("ready", None) or ("error",
+traceback text).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
 import sys
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 from astream.config import EngineConfig
@@ -17,37 +26,84 @@ from astream.executor.build import build_runner, kv_format
 from astream.executor.cache_plan import plan_runner_cache
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
-from astream.parallel.group import join_group, leave_group, rank_device
+from astream.models.tensor_parallel import TensorParallel, TPShard
+from astream.parallel.group import (init_group, join_group, leave_group, rank_device,
+                                    share_from_rank0)
 from astream.policies import make_policy
 from astream.runtime.device import DeviceRuntime
 
 
-def worker_main(rank: int, size: int, port: int, config: EngineConfig, path: str,
+def worker_main(rank: int, size: int, port: int | None, config: EngineConfig, path: str,
                 conn: Connection) -> None:
+    """A rank on rank 0's host, spawned with its pipe; `port` None: env:// (several hosts)."""
     try:
-        runner = _start(rank, size, port, config, path, conn)
+        checkpoint = open_checkpoint(Path(path), config.load_format)
+        device = rank_device(config.torch_device(), rank)
+        tp = join_group(rank, size, port, device, ModelConfig.from_hf(checkpoint.hf_config))
+        if port is None:
+            share_from_rank0()
+        runner = _start(tp, config, checkpoint, device, conn)
     except EOFError:                        # rank 0 went away while this one loaded
         return
     except BaseException:
         _report(conn)
         sys.exit(1)
-    previous = None
+    _serve(runner, conn)
+
+
+def remote_worker_main(rank: int, config: EngineConfig, model: str | None) -> None:
+    """A rank on another host: join through env://, connect to rank 0's step channel, take
+    rank 0's settings (this host's `model` path, if given, instead of rank 0's)."""
+    conn = None
     try:
-        while (host := conn.recv()) is not None:
-            previous = runner.follow(host, previous)
-    except EOFError:                        # rank 0's process ended: so does this one
+        size = config.tensor_parallel_size
+        device = rank_device(config.torch_device(), rank % config.ranks_per_node)
+        init_group(rank, size, None, device)
+        address, key = share_from_rank0()
+        conn = Client(address, authkey=key)
+        conn.send(("hello", rank))
+        ours, path = conn.recv()
+        if ours.torch_device().type != device.type:
+            raise ValueError(f"node 0 runs on {ours.torch_device().type} and this node on "
+                             f"{device.type}: start it with --device {ours.device}")
+        ours = dataclasses.replace(ours, nnodes=config.nnodes, node_rank=config.node_rank)
+        checkpoint = open_checkpoint(Path(model or path), ours.load_format)
+        tp = TensorParallel(TPShard(rank, size, ModelConfig.from_hf(checkpoint.hf_config)))
+        runner = _start(tp, ours, checkpoint, device, conn)
+    except EOFError:
         return
     except BaseException:
+        if conn is None:
+            traceback.print_exc()
+            leave_group()
+            sys.exit(1)
         _report(conn)
         sys.exit(1)
-    finally:
-        leave_group()
+    _serve(runner, conn)
 
 
-def _start(rank: int, size: int, port: int, config: EngineConfig, path: str, conn: Connection):
-    checkpoint = open_checkpoint(Path(path), config.load_format)
-    device = rank_device(config.torch_device(), rank)
-    tp = join_group(rank, size, port, device, ModelConfig.from_hf(checkpoint.hf_config))
+def run_node(config: EngineConfig, model: str | None) -> int:
+    """Every rank of node `config.node_rank` (> 0): the first in this process, the others in
+    spawned ones. Returns once rank 0 stops them; the exit status is the worst rank's."""
+    first = config.node_rank * config.ranks_per_node
+    context = multiprocessing.get_context("spawn")
+    others = [context.Process(target=remote_worker_main, args=(rank, config, model),
+                              name=f"astream-tp-rank{rank}", daemon=True)
+              for rank in range(first + 1, first + config.ranks_per_node)]
+    for process in others:
+        process.start()
+    code = 0
+    try:
+        remote_worker_main(first, config, model)
+    except SystemExit as exit:
+        code = exit.code or 0
+    for process in others:
+        process.join()
+        code = code or (process.exitcode or 0)
+    return code
+
+
+def _start(tp, config: EngineConfig, checkpoint, device, conn: Connection):
     model = load_model(checkpoint, config.torch_dtype(), device, None, config.tokenizer, tp)
     policy = make_policy(config.sparse_policy, config.sparse_budget)
     fmt = kv_format(config, model.decoder, model.tokenizer)
@@ -56,6 +112,20 @@ def _start(rank: int, size: int, port: int, config: EngineConfig, path: str, con
     runner = build_runner(config, plan, model.decoder, DeviceRuntime(device), policy, fmt)
     conn.send(("ready", None))
     return runner
+
+
+def _serve(runner, conn: Connection) -> None:
+    previous = None
+    try:
+        while (step := conn.recv()) is not None:
+            previous = runner.follow(step, previous)
+    except EOFError:                        # rank 0's process ended: so does this one
+        return
+    except BaseException:
+        _report(conn)
+        sys.exit(1)
+    finally:
+        leave_group()
 
 
 def _report(conn: Connection) -> None:

@@ -1,8 +1,10 @@
 """Rank 0's view of the other tensor-parallel ranks: it spawns them, agrees the KV cache
 size with them, hands them each step and stops them.
 
-A step's inputs reach each rank once, as one pickled HostInputs (a few small integer
-arrays) written to that rank's pipe, which it then sends to its own device. The pipe is
+A step reaches each rank once, as one pickled HostStep (its inputs as a few small integer
+arrays and, with offload, the offload plan's host lists) written to that rank's pipe (a
+connection to rank 0's step channel for a rank on another host), which it then sends to
+its own device. The pipe is
 also how a rank learns that rank 0 is gone (end of file), and rank 0 watches every
 process's sentinel, so a dead rank is named, never waited for.
 """
@@ -10,20 +12,23 @@ process's sentinel, so a dead rank is named, never waited for.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import threading
+import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection, Listener, wait
 
 import torch
 
 from astream.config import EngineConfig
 from astream.errors import TensorParallelError
-from astream.executor.inputs import HostInputs
+from astream.executor.runner import HostStep
 from astream.kvcache.sizing import CachePlan
 from astream.models.config import ModelConfig
 from astream.models.tensor_parallel import TensorParallel
-from astream.parallel.group import COLLECTIVE_TIMEOUT_S, free_port, join_group, leave_group
+from astream.parallel.group import (COLLECTIVE_TIMEOUT_S, free_port, join_group, leave_group,
+                                    share_from_rank0)
 from astream.parallel.worker import worker_main
 
 STOP_GRACE_S = 5.0         # a rank asked to stop may finish its step; then it is terminated
@@ -32,32 +37,45 @@ DEATH_WAIT_S = 2.0         # after a failed collective: how long a dying rank ma
 
 @dataclass(slots=True)
 class WorkerGroup:
-    """Ranks 1..size-1, each a spawned process with a pipe; `tp` is rank 0's own shard."""
+    """Ranks 1..size-1, indexed by rank - 1: those on rank 0's host are spawned processes,
+    each with a pipe; those on other hosts (no process here) are connections to rank 0's
+    step channel. `tp` is rank 0's own shard."""
 
-    processes: list[multiprocessing.Process]
-    pipes: list[Connection]
+    processes: list[multiprocessing.Process | None]
+    pipes: list[Connection | None]
+    ranks_per_node: int
     tp: TensorParallel | None = None
     errors: dict[int, str] = field(default_factory=dict)     # rank -> its last words
+    lost: set[int] = field(default_factory=set)              # other hosts' ranks whose connection closed
+    listener: Listener | None = None                         # the step channel, with several hosts
     closed: bool = False
 
     @classmethod
     def start(cls, config: EngineConfig, path: str, model: ModelConfig,
               device: torch.device) -> "WorkerGroup":
-        """Spawn the other ranks and join the process group with them as rank 0."""
-        size, port = config.tensor_parallel_size, free_port()
+        """Spawn the other ranks of this host and join the process group with them (and with
+        the ranks of other hosts) as rank 0."""
+        size, local = config.tensor_parallel_size, config.ranks_per_node
+        port = free_port() if config.nnodes == 1 else None
+        key = None
+        if port is None:
+            address = rendezvous_address()
+            key = os.urandom(32)
         context = multiprocessing.get_context("spawn")
-        group = cls([], [])
-        for rank in range(1, size):
+        group = cls([None] * (size - 1), [None] * (size - 1), local)
+        for rank in range(1, local):
             ours, theirs = context.Pipe()
             process = context.Process(target=worker_main, name=f"astream-tp-rank{rank}",
                                       args=(rank, size, port, config, str(path), theirs),
                                       daemon=True)
             process.start()
             theirs.close()
-            group.processes.append(process)
-            group.pipes.append(ours)
+            group.processes[rank - 1] = process
+            group.pipes[rank - 1] = ours
         try:
-            group.tp = group._join(size, port, model, device)
+            if key is not None:
+                group.listener = Listener((address, 0), authkey=key)
+            group.tp = group._join(size, port, model, device, (config, str(path), key))
         except BaseException:
             group.close()
             raise
@@ -65,7 +83,8 @@ class WorkerGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [process.pid for process in self.processes]
+        """The processes of this host's other ranks."""
+        return [process.pid for process in self.processes if process is not None]
 
     def agree(self, plan: CachePlan) -> CachePlan:
         """Every rank sized its own cache; all take the smallest, so block ids mean the same
@@ -78,12 +97,12 @@ class WorkerGroup:
             self._receive(rank, "ready")
         return chosen
 
-    def send(self, inputs: HostInputs) -> None:
+    def send(self, step: HostStep) -> None:
         """Hand every other rank the step rank 0 is about to run."""
-        payload = pickle.dumps(inputs, pickle.HIGHEST_PROTOCOL)    # once, for every rank
-        for rank, pipe in zip(self._ranks(), self.pipes):
+        payload = pickle.dumps(step, pickle.HIGHEST_PROTOCOL)      # once, for every rank
+        for rank, pipe, process in zip(self._ranks(), self.pipes, self.processes):
             try:
-                if not self.processes[rank - 1].is_alive():
+                if process is not None and not process.is_alive():
                     raise ConnectionError("the process is gone")
                 pipe.send_bytes(payload)
             except (OSError, ConnectionError) as exc:
@@ -94,31 +113,39 @@ class WorkerGroup:
         and stop them all."""
         if self.closed:
             return TensorParallelError(f"the tensor-parallel ranks were stopped: {error}")
-        wait([p.sentinel for p in self.processes], timeout=DEATH_WAIT_S)
-        dead = [(rank, p.exitcode) for rank, p in zip(self._ranks(), self.processes)
-                if p.exitcode is not None]
+        wait([p.sentinel for p in self.processes if p is not None]
+             + [pipe for pipe, p in zip(self.pipes, self.processes) if p is None],
+             timeout=DEATH_WAIT_S)
         self._collect_errors()
+        dead = [(rank, f"died (exit code {p.exitcode})")
+                for rank, p in zip(self._ranks(), self.processes)
+                if p is not None and p.exitcode is not None]
+        dead += [(rank, f"on node {rank // self.ranks_per_node} is gone (its connection "
+                        "closed)") for rank in sorted(self.lost)]
         self.close()
         if not dead:
             return TensorParallelError(f"a tensor-parallel step failed on rank 0 "
                                        f"({type(error).__name__}: {error}); the engine stops")
-        rank, code = dead[0]
+        rank, state = dead[0]
         last = self.errors.get(rank, "").strip().splitlines()
         cause = f": {last[-1]}" if last else ""
-        return TensorParallelError(f"tensor-parallel rank {rank} died (exit code {code}){cause}; "
+        return TensorParallelError(f"tensor-parallel rank {rank} {state}{cause}; "
                                    "the engine stops")
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force) and leave the process group."""
+        """Stop every rank (politely, then by force, on this host) and leave the process group."""
         if self.closed:
             return
         self.closed = True
         for pipe in self.pipes:
             try:
-                pipe.send(None)
+                if pipe is not None:
+                    pipe.send(None)
             except OSError:
                 pass
         for process in self.processes:
+            if process is None:
+                continue
             process.join(STOP_GRACE_S)
             if process.is_alive():
                 process.terminate()
@@ -127,38 +154,68 @@ class WorkerGroup:
                 process.kill()
                 process.join()
         for pipe in self.pipes:
-            pipe.close()
+            if pipe is not None:
+                pipe.close()
+        if self.listener is not None:
+            self.listener.close()
         leave_group()
 
     def _ranks(self) -> range:
         return range(1, len(self.processes) + 1)
 
-    def _join(self, size: int, port: int, model: ModelConfig, device: torch.device) -> TensorParallel:
+    def _join(self, size: int, port: int | None, model: ModelConfig, device: torch.device,
+              settings: tuple) -> TensorParallel:
         """Join the group on a helper thread while watching the ranks: one that dies before
-        it joins would otherwise hold rank 0 in the rendezvous until it times out."""
+        it joins would otherwise hold rank 0 in the rendezvous until it times out. With
+        several hosts, the thread then waits for their ranks on the step channel."""
         joined: list = []
 
         def join() -> None:
             try:
-                joined.append(join_group(0, size, port, device, model))
+                tp = join_group(0, size, port, device, model)
+                if self.listener is not None:
+                    share_from_rank0((self.listener.address, settings[2]))
+                    self._accept(settings[:2])
+                joined.append(tp)
             except BaseException as exc:
                 joined.append(exc)
 
         thread = threading.Thread(target=join, name="astream-tp-join", daemon=True)
         thread.start()
+        deadline = time.monotonic() + COLLECTIVE_TIMEOUT_S
         while thread.is_alive():
             thread.join(0.1)
             for rank, process in zip(self._ranks(), self.processes):
-                if process.exitcode is not None:
+                if process is not None and process.exitcode is not None:
                     self._collect_errors()
                     raise TensorParallelError(self._startup_death(rank, process.exitcode))
+            if time.monotonic() > deadline:
+                missing = [rank for rank, pipe in zip(self._ranks(), self.pipes) if pipe is None]
+                raise TensorParallelError(
+                    f"tensor-parallel ranks {missing} did not join within "
+                    f"{COLLECTIVE_TIMEOUT_S} s: start each other host with `astream worker "
+                    "--nnodes N --node-rank K --tensor-parallel-size N` and the same "
+                    "MASTER_ADDR and MASTER_PORT")
         if isinstance(joined[0], BaseException):
             raise joined[0]
         return joined[0]
 
+    def _accept(self, settings: tuple) -> None:
+        """Take the connections of the other hosts' ranks; each gets rank 0's settings and
+        checkpoint path."""
+        remote = [rank for rank, pipe in zip(self._ranks(), self.pipes) if pipe is None]
+        while any(self.pipes[rank - 1] is None for rank in remote):
+            conn = self.listener.accept()
+            kind, rank = conn.recv()
+            if kind != "hello" or rank not in remote or self.pipes[rank - 1] is not None:
+                conn.close()
+                continue
+            conn.send(settings)
+            self.pipes[rank - 1] = conn
+
     def _receive(self, rank: int, kind: str):
         pipe, process = self.pipes[rank - 1], self.processes[rank - 1]
-        wait([pipe, process.sentinel], timeout=COLLECTIVE_TIMEOUT_S)
+        wait([pipe] if process is None else [pipe, process.sentinel], timeout=COLLECTIVE_TIMEOUT_S)
         try:
             if pipe.poll():
                 got, value = pipe.recv()
@@ -168,12 +225,18 @@ class WorkerGroup:
                     self.errors[rank] = value
         except (EOFError, OSError):
             pass
-        process.join(DEATH_WAIT_S)
-        raise TensorParallelError(self._startup_death(rank, process.exitcode))
+        code = None
+        if process is not None:
+            process.join(DEATH_WAIT_S)
+            code = process.exitcode
+        raise TensorParallelError(self._startup_death(rank, code, process is None))
 
-    def _startup_death(self, rank: int, code: int | None) -> str:
+    def _startup_death(self, rank: int, code: int | None, remote: bool = False) -> str:
         detail = self.errors.get(rank, "").strip()
         state = "did not answer" if code is None else f"died (exit code {code})"
+        if remote:
+            state = f"on node {rank // self.ranks_per_node} stopped"
+            detail = detail or "its traceback is on that host's stderr"
         if not detail:       # it died before it could say why, e.g. in spawn's re-import of __main__
             detail = ("its traceback is on stderr; a script that starts a tensor-parallel engine "
                       "must do so under `if __name__ == \"__main__\":`, as spawned processes "
@@ -181,11 +244,25 @@ class WorkerGroup:
         return f"tensor-parallel rank {rank} {state} while starting: {detail}"
 
     def _collect_errors(self) -> None:
-        for rank, pipe in zip(self._ranks(), self.pipes):
+        for rank, pipe, process in zip(self._ranks(), self.pipes, self.processes):
+            if pipe is None:
+                continue
             try:
                 while pipe.poll():
                     got, value = pipe.recv()
                     if got == "error":
                         self.errors[rank] = value
-            except (EOFError, OSError, ValueError, TypeError):
+            except (EOFError, OSError):
+                if process is None:
+                    self.lost.add(rank)
+            except (ValueError, TypeError):
                 continue
+
+
+def rendezvous_address() -> str:
+    """Node 0's address from $MASTER_ADDR (with $MASTER_PORT, the env:// rendezvous)."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"nnodes > 1 needs {' and '.join(missing)} set: node 0's address and a "
+                         "free port there, the same on every host")
+    return os.environ["MASTER_ADDR"]
