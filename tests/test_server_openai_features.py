@@ -191,3 +191,29 @@ async def test_streamed_completion_text_offsets_run_on_across_chunks():
     offsets = [offset for offsets, _ in seen for offset in offsets]
     lengths = [len(token) for _, tokens in seen for token in tokens]
     assert offsets == [sum(lengths[:i]) for i in range(len(lengths))] and len(offsets) > 1
+
+
+async def test_a_failure_before_the_response_is_a_json_500_and_the_server_goes_on(monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    async with serving() as server:
+        with monkeypatch.context() as patch:
+            patch.setattr(server.engine, "request", broken)
+            status, text = await post(server.port, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 500, text
+        assert json.loads(text)["error"] == {"message": "internal error: RuntimeError",
+                                             "type": "server_error", "param": None, "code": "internal"}
+        status, text = await post(server.port, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 2, text
+
+
+async def test_a_client_that_left_is_no_error_even_from_a_task_group():
+    from uvicorn.protocols.utils import ClientDisconnected
+
+    from astream.server.http import client_left
+
+    assert client_left(ClientDisconnected())
+    assert client_left(BaseExceptionGroup("", [ClientDisconnected(), BrokenPipeError()]))
+    assert not client_left(BaseExceptionGroup("", [ClientDisconnected(), RuntimeError("bug")]))
+    assert not client_left(RuntimeError("bug"))

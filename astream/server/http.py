@@ -8,6 +8,7 @@ policy: how much a body may hold and how long a client may take to send it.
 
 from __future__ import annotations
 
+import sys
 from http import HTTPStatus
 from typing import Awaitable, Callable
 
@@ -17,6 +18,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from astream.server.protocol import encode as json_text
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 
 class BodyError(Exception):
@@ -75,6 +79,16 @@ class WhileConnected(Response):
             group.start_soon(watch)
             try:
                 await self.produce(send)
-            except OSError:                    # the client went away mid-write
-                pass
+            except (OSError, BaseExceptionGroup) as exc:
+                if not client_left(exc):
+                    raise
             group.cancel_scope.cancel()
+
+
+def client_left(exc: BaseException) -> bool:
+    """Whether `exc` only says the client went away mid-write (uvicorn's ClientDisconnected
+    is an OSError), alone or from every task of a group (the SSE keepalive beside the
+    tokens): nothing to report then."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(client_left(inner) for inner in exc.exceptions)
+    return isinstance(exc, OSError)

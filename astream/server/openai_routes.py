@@ -72,6 +72,10 @@ class OpenAIRoutes:
             return await self._start(request, api)
         except ApiError as exc:
             return error_response(exc)
+        except Exception as exc:                    # a bug: this request fails, in the API's shape
+            log.exception("%s failed before its response began", request.url.path)
+            return error_response(ApiError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                           f"internal error: {type(exc).__name__}", code="internal"))
 
     def _guard(self, request: Request) -> None:
         refused = refusal(request.headers, self.state.options)
