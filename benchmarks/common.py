@@ -129,7 +129,7 @@ def engine_core(config) -> Iterator:
     the driver when the next engine_core() starts, so every engine of a run sizes its
     cache from a clean device; the caller's `as` name holds it until then (a loop must
     `del` that name before its next engine)."""
-    from astream.core import EngineCore
+    from astream.core.engine_core import EngineCore
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

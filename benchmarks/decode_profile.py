@@ -23,10 +23,10 @@ from torch.profiler import ProfilerActivity, profile
 from common import percentile, save, shaped_model, smollm2  # noqa: I001
 from copy_overlap import trace_events, union_intervals
 from quest import FULL, decode_steps, set_budget
-from astream.config import EngineConfig
-from astream.core import EngineCore
+from astream.base.config import EngineConfig
+from astream.base.sampling import SamplingParams
+from astream.core.engine_core import EngineCore
 from astream.policies import QuestPolicy
-from astream.sampling import SamplingParams
 
 
 def kernel_timeline(kernels: list[dict], start: int, count: int) -> list[str]:

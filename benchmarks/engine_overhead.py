@@ -23,7 +23,7 @@ import torch
 
 from common import Timer, percentile, random_workload, save, shaped_model, smollm2  # noqa: I001
 from astream import Engine, EngineConfig, SamplingParams
-from astream.core import EngineCore
+from astream.core.engine_core import EngineCore
 from astream.runtime.events import wait_event
 
 

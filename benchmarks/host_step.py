@@ -37,7 +37,7 @@ import torch
 
 from common import random_workload, save, shaped_model, smollm2  # noqa: I001
 from astream import Engine, EngineConfig, SamplingParams
-from astream.core import EngineCore, StepOutput
+from astream.core.engine_core import EngineCore, StepOutput
 from astream.executor.runner import ModelRunner
 from astream.stages.channel import RequestChannel
 

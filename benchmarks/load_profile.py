@@ -22,10 +22,10 @@ HEAVY_IMPORTS = ("transformers", "sympy", "sklearn", "scipy", "torch._dynamo",
                  "torch.distributed.fsdp")
 
 # (module, attribute) called during EngineCore.create, timed by wrapping the attribute
-BUILD_PHASES = (("astream.core", "open_checkpoint"), ("astream.core", "load_model"),
-                ("astream.models.loader", "load_tokenizer"), ("astream.core", "plan_cache"),
-                ("astream.core", "build_runner"), ("astream.executor.build", "build_graphs"),
-                ("astream.core", "BlockManager"), ("astream.core", "stop_token_ids"))
+BUILD_PHASES = (("astream.core.engine_core", "open_checkpoint"), ("astream.core.engine_core", "load_model"),
+                ("astream.models.loader", "load_tokenizer"), ("astream.core.engine_core", "plan_cache"),
+                ("astream.core.engine_core", "build_runner"), ("astream.executor.build", "build_graphs"),
+                ("astream.core.engine_core", "BlockManager"), ("astream.core.engine_core", "stop_token_ids"))
 
 start = time.perf_counter()
 import torch  # noqa: E402
@@ -43,9 +43,9 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.init()
     cuda_ready = time.perf_counter()
-    from astream.config import EngineConfig
-    from astream.core import EngineCore
-    from astream.sampling import SamplingParams
+    from astream.base.config import EngineConfig
+    from astream.base.sampling import SamplingParams
+    from astream.core.engine_core import EngineCore
     imported = time.perf_counter()
     config = EngineConfig.from_kwargs(args.model, device=args.device, max_model_len=2048)
     phases: dict[str, float] = {}

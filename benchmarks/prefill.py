@@ -24,13 +24,13 @@ import time
 import torch
 
 from common import cuda_times_ms, percentile, save, shaped_model, smollm2  # noqa: I001
-from astream.config import EngineConfig
-from astream.core import EngineCore
+from astream.base.config import EngineConfig
+from astream.base.sampling import SamplingParams
+from astream.core.engine_core import EngineCore
 from astream.executor.inputs import varlen_meta
 from astream.ops import cudnn_attention
 from astream.ops.attention_ref import varlen_attention_ref
 from astream.ops.backends import AttentionBackends
-from astream.sampling import SamplingParams
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 # (queries, prefix keys, causal): the square of a chunk, a chunk over a prefix, both at once.

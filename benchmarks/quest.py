@@ -85,10 +85,10 @@ from typing import Iterator
 import torch
 
 from common import cuda_times_ms, engine_core, shaped_model, smollm2  # noqa: I001
-from astream.config import EngineConfig
-from astream.core import EngineCore
+from astream.base.config import EngineConfig
+from astream.base.sampling import SamplingParams
+from astream.core.engine_core import EngineCore
 from astream.policies import QuestPolicy
-from astream.sampling import SamplingParams
 
 SECTIONS = ("speed", "kernels", "kernel_sweep", "layouts", "select_sweep", "locality", "profile",
             "reuse")

@@ -206,7 +206,7 @@ def started_server(model: str | None, serve_args: list[str], log: Path, timeout:
     """`astream serve` on a free port, its output in `log`; yields its http:// URL once /health
     answers 200 "ok", and stops it with SIGTERM (SIGKILL if it lingers) on the way out."""
     port = free_port()
-    command = [sys.executable, "-c", "import sys; from astream.cli import main; sys.exit(main(sys.argv[1:]))",
+    command = [sys.executable, "-c", "import sys; from astream.face.cli import main; sys.exit(main(sys.argv[1:]))",
                "serve", "--port", str(port), *(["--model", model] if model else []), *serve_args]
     paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
@@ -336,8 +336,8 @@ def engine_options(model: str | None, serve_args: list[str]) -> tuple[str | None
     dropped), parsed by astream's own command line so both sides run the same engine."""
     import dataclasses
 
-    from astream.cli import build_parser
-    from astream.config import EngineConfig
+    from astream.base.config import EngineConfig
+    from astream.face.cli import build_parser
 
     args = build_parser().parse_args(["serve", *(["--model", model] if model else []), *serve_args])
     model = getattr(args, "served_model", None) or args.model

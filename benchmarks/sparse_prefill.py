@@ -27,15 +27,15 @@ import time
 import torch
 
 from common import Timer, save, shaped_model, smollm2  # noqa: I001
-from astream.core import EngineCore
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
+from astream.base.sampling import SamplingParams
+from astream.core.engine_core import EngineCore
 from astream.executor.inputs import varlen_meta
 from astream.ops import minference as mi
 from astream.ops import xattention as xa
 from astream.ops.backends import AttentionBackends
 from astream.ops.triton_xattention import kept_block_lists
 from astream.policies import MInferencePolicy, XAttentionPolicy
-from astream.sampling import SamplingParams
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 

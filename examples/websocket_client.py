@@ -17,7 +17,7 @@ from contextlib import aclosing
 
 import anyio
 
-from astream.client import Client
+from astream.face.client import Client
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?"]
 

@@ -68,9 +68,9 @@ def test_pipelined_steps_time_each_step_and_lose_no_token(tmp_path):
     from common import shaped_model, smollm2
     from quest import pipelined_steps
 
-    from astream.config import EngineConfig
-    from astream.core import EngineCore
-    from astream.sampling import SamplingParams
+    from astream.base.config import EngineConfig
+    from astream.base.sampling import SamplingParams
+    from astream.core.engine_core import EngineCore
 
     config = EngineConfig(model=str(shaped_model("tiny", max_positions=512, root=tmp_path)),
                           load_format="dummy", tokenizer=smollm2(), device="cpu",

@@ -14,7 +14,7 @@ import torch
 
 import astream as astream_package
 from astream import SamplingParams
-from astream.cli import build_parser, main
+from astream.face.cli import build_parser, main
 from astream.stages.graph import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def astream(*args: str, stdin: str | None = None, timeout: float = 180) -> subpr
     env = {name: value for name, value in os.environ.items() if not name.startswith("ASTREAM_")
            or name == "ASTREAM_CACHE_DIR"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "astream.cli", *args], cwd=ROOT, env=env, input=stdin,
+    return subprocess.run([sys.executable, "-m", "astream.face.cli", *args], cwd=ROOT, env=env, input=stdin,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -189,12 +189,12 @@ def test_cuda_without_a_gpu_says_the_flag_to_use(capsys):
 def test_serve_on_a_busy_port_fails_before_loading_the_model(capsys, monkeypatch):
     import socket
 
-    import astream.engine
+    import astream.engine.engine
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the port was checked")
 
-    monkeypatch.setattr(astream.engine.Engine, "__init__", no_loading)
+    monkeypatch.setattr(astream.engine.engine.Engine, "__init__", no_loading)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)

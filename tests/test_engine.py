@@ -7,7 +7,7 @@ import pytest
 
 from astream import Engine, SamplingParams
 from astream.executor.runner import ModelRunner
-from astream.text import IncrementalDetokenizer
+from astream.text.request_text import IncrementalDetokenizer
 from async_backends import BACKENDS
 
 ENGINE_KW = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=2048)
@@ -189,8 +189,8 @@ async def test_graph_is_printable_and_names_every_stage():
 @pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
 @pytest.mark.anyio
 async def test_a_crashing_stage_stops_the_engine_cleanly(monkeypatch):
-    from astream.core import EngineCore
-    from astream.engine import EngineClosedError
+    from astream.core.engine_core import EngineCore
+    from astream.engine.engine import EngineClosedError
 
     def broken_process(self, output):
         raise RuntimeError("bug in output processing")
@@ -206,7 +206,7 @@ async def test_a_crashing_stage_stops_the_engine_cleanly(monkeypatch):
 
 
 def test_list_sink_numbers_tokens_in_order_around_progress():
-    from astream.request import ListSink
+    from astream.core.request import ListSink
 
     sink = ListSink()
     sink.token(5, "a", None)

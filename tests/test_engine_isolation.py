@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from astream import Engine, EngineClosedError, PromptTooLongError, SamplingParams
-from astream.core import EngineCore
+from astream.core.engine_core import EngineCore
 from astream.executor.runner import ModelRunner
 
 ENGINE_KW = dict(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=1024)

@@ -12,8 +12,8 @@ import anyio
 import pytest
 
 from astream import Engine, SamplingParams
-from astream.client import Client
-from astream.errors import EngineClosedError, PromptTooLongError
+from astream.base.errors import EngineClosedError, PromptTooLongError
+from astream.face.client import Client
 from astream.server import ServerOptions, StreamServer
 from astream.server.engine_process import EngineProcess
 from server_helpers import ENGINE_KW, GREEDY, OPTIONS, health, health_status, http_exchange

@@ -100,7 +100,7 @@ def test_sampling_params_reject_wrong_types(kwargs):
 
 
 def test_prompt_too_long_has_its_own_type(smol_llm):
-    from astream.scheduler import PromptTooLongError
+    from astream.core.scheduler import PromptTooLongError
     with pytest.raises(PromptTooLongError):
         smol_llm.generate([list(range(100, 2200))], SamplingParams(max_tokens=4))
 

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from astream.cli import main
 from astream.eval import (NEEDLE, RULER_TASKS, CellResult, EvalRun, TrialResult, build_trial, build_trials,
                           format_summary, parse_configs, parse_depths, parse_lengths, score,
                           write_outputs)
 from astream.eval.filler import filler_sentences
 from astream.eval.problem import NAME, NUMBER
 from astream.eval.progress import ProgressBar
+from astream.face.cli import main
 
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--cpu-kv-cache-gib", "0.125"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,10 +10,10 @@ import pytest
 from websockets.asyncio.client import connect
 
 from astream import Engine, SamplingParams
+from astream.base.sampling import SamplingParams as P
+from astream.core.scheduler import Scheduler, SchedulerConfig
+from astream.core.sequence import Sequence, SequenceStatus
 from astream.kvcache.block_manager import BlockManager
-from astream.sampling import SamplingParams as P
-from astream.scheduler import Scheduler, SchedulerConfig
-from astream.sequence import Sequence, SequenceStatus
 from server_helpers import Wire, generate, health, serving
 
 ENGINE_KW = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_model_len=1024)

@@ -13,8 +13,8 @@ import torch
 from triton_interpreter import run_interpreted_check
 
 from astream import LLM, SamplingParams
-from astream.cli import parse_command
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
+from astream.face.cli import parse_command
 from astream.ops import flexprefill as fp
 from astream.ops import xattention as xa
 from astream.ops.attention_ref import varlen_attention_ref

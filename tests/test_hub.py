@@ -56,7 +56,7 @@ def test_what_counts_as_a_hub_id(text, hub):
 
 
 def test_serve_takes_the_model_as_an_argument():
-    from astream.cli import _configs, build_parser
+    from astream.face.cli import _configs, build_parser
     args = build_parser().parse_args(["serve", "Qwen/Qwen2.5-0.5B-Instruct", "--port", "0"])
     _configs(args)
     assert args.model == "Qwen/Qwen2.5-0.5B-Instruct"

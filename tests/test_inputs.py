@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from astream.base.sampling import SamplingParams
+from astream.core.scheduler import ScheduledBatch, ScheduledSeq
+from astream.core.sequence import Sequence
 from astream.executor.decode_tables import DecodeTables
 from astream.executor.inputs import build_inputs
-from astream.sampling import SamplingParams
-from astream.scheduler import ScheduledBatch, ScheduledSeq
-from astream.sequence import Sequence
 
 
 def reference(batch: ScheduledBatch, block_size: int) -> dict:

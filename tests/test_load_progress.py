@@ -1,4 +1,4 @@
-"""What loading a model shows on stderr (astream/load_progress.py)."""
+"""What loading a model shows on stderr (astream/engine/load_progress.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from astream.load_progress import SHOW_PROGRESS_ENV, LoadProgress, wants_progress
+from astream.engine.load_progress import SHOW_PROGRESS_ENV, LoadProgress, wants_progress
 
 
 class Terminal(io.StringIO):

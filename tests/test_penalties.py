@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
+from astream.base.sampling import SamplingParams
+from astream.core.sequence import Sequence
 from astream.executor.penalties import build_processing, process_logits
-from astream.sampling import SamplingParams
-from astream.sequence import Sequence
 
 VOCAB = 50
 EOS = frozenset({2})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from astream import LLM, SamplingParams
-from astream.cli import _configs, build_parser
 from astream.eval import parse_configs
+from astream.face.cli import _configs, build_parser
 from astream.policies import CombinedPolicy, MInferencePolicy, QuestPolicy, XAttentionPolicy, make_policy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

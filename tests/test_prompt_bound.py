@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers
 from tokenizers.models import Unigram
 
 from astream.models.text_tokenizer import TextTokenizer, TokenizerSpec
-from astream.tokenization import PromptBound, stop_token_ids
+from astream.text.tokenization import PromptBound, stop_token_ids
 
 
 def unigram(normalizer) -> TextTokenizer:

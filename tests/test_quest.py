@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from astream import LLM, Engine, SamplingParams
-from astream.cli import _configs, build_parser
+from astream.face.cli import _configs, build_parser
 from astream.policies import QuestPolicy
 
 KW = dict(device="cpu", dtype="float32", kv_block_size=16, num_kv_blocks=384, max_model_len=2048)
@@ -123,7 +123,7 @@ def test_reused_pages_in_a_batch_match_loading_every_page():
 
 
 def test_reused_page_buffers_are_counted_in_the_device_plan():
-    from astream.config import EngineConfig
+    from astream.base.config import EngineConfig
     from astream.executor.cache_plan import _decode_buffer_bytes
     from astream.models.config import ModelConfig
 

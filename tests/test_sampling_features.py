@@ -9,7 +9,7 @@ import anyio
 import pytest
 
 from astream import Engine, SamplingParams
-from astream.sampling import MAX_LOGPROBS
+from astream.base.sampling import MAX_LOGPROBS
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

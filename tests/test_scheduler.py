@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from astream.base.sampling import SamplingParams
+from astream.core.scheduler import Scheduler, SchedulerConfig
+from astream.core.sequence import Sequence, SequenceStatus
 from astream.kvcache.block_manager import BlockManager
-from astream.sampling import SamplingParams
-from astream.scheduler import Scheduler, SchedulerConfig
-from astream.sequence import Sequence, SequenceStatus
 
 P = SamplingParams(max_tokens=8)
 

@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from astream import SamplingParams
-from astream.core import EngineCore
+from astream.core.engine_core import EngineCore
 from server_helpers import GREEDY, LONG, PROMPTS, Wire, check_against, generate, health, \
     health_status, serving, wait_idle
 

@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK, InvalidStatus
 
-from astream.client import Client
+from astream.face.client import Client
 from astream.server import ServerOptions, StreamServer
 from server_helpers import LONG, OPTIONS, ROOT, Wire, cut_short, generate, health, served_url, until_refused, wait_idle
 
@@ -81,7 +81,7 @@ async def test_shutdown_aborts_what_outlives_the_grace_period(server, idle_free)
 
 @pytest.mark.anyio
 async def test_sigterm_finishes_in_flight_requests_and_exits_0(tmp_path):
-    command = [sys.executable, "-m", "astream.cli", "serve", "--port", "0", "--device", "cpu",
+    command = [sys.executable, "-m", "astream.face.cli", "serve", "--port", "0", "--device", "cpu",
                "--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048",
                "--shutdown-timeout", "120"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

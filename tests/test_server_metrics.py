@@ -9,7 +9,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from astream.client import Client
+from astream.face.client import Client
 from astream.server import ServerOptions, StreamServer
 from server_helpers import GREEDY, LONG, OPTIONS, http_get, wait_idle
 

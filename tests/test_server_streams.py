@@ -9,7 +9,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from astream import SamplingParams
-from astream.client import Client, ServerError
+from astream.face.client import Client, ServerError
 from server_helpers import GREEDY, LONG, PROMPTS, Wire, check_against, generate, wait_idle
 
 

@@ -1,12 +1,12 @@
 """Options from --config files and ASTREAM_* variables: a flag wins over the file, the file over
-the environment, the environment over the default (astream/settings.py, cli.parse_command)."""
+the environment, the environment over the default (astream/face/settings.py, cli.parse_command)."""
 
 from __future__ import annotations
 
 import pytest
 
-from astream.cli import parse_command
-from astream.sampling import SamplingParams
+from astream.base.sampling import SamplingParams
+from astream.face.cli import parse_command
 
 DEFAULTS = SamplingParams()
 

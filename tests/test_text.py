@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from astream.sampling import SamplingParams
-from astream.text import IncrementalDetokenizer, RequestText
+from astream.base.sampling import SamplingParams
+from astream.text.request_text import IncrementalDetokenizer, RequestText
 
 TEXT = "Écris une phrase: é, è, à, ç. 日本語 🙂 and more words, then\nnew lines."
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from astream import LLM, Engine, SamplingParams
-from astream.cli import parse_command
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
+from astream.face.cli import parse_command
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
 from astream.ops.attention import varlen_attention
@@ -356,7 +356,7 @@ def test_two_hosts_on_loopback_give_one_ranks_tokens(tiny_qwen3, monkeypatch):
     want, _ = _generate(tiny_qwen3, 1)
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
-    node1 = subprocess.Popen([sys.executable, "-m", "astream.cli", "worker", "--nnodes", "2",
+    node1 = subprocess.Popen([sys.executable, "-m", "astream.face.cli", "worker", "--nnodes", "2",
                               "--node-rank", "1", "--tensor-parallel-size", "2", "--device", "cpu"],
                              env=env, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,11 +8,11 @@ from typing import Callable, Sequence
 
 import anyio
 
-from astream.engine import Engine
+from astream.base.sampling import SamplingParams
+from astream.engine.engine import Engine
 from astream.eval.scoring import accuracy, score
 from astream.eval.spec import EvalConfig
 from astream.eval.trials import Trial, group_cells
-from astream.sampling import SamplingParams
 
 
 @dataclass(slots=True)

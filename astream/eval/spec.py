@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from astream.config import canonical_kv_dtype
+from astream.base.config import canonical_kv_dtype
 from astream.policies import make_policy
 from astream.policies.spec import split_top_level
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.offload_graphs import OffloadDecodeGraphs, decodes_densely, selects_everywhere
 from astream.executor.offload_plan import TailSlots

@@ -4,7 +4,7 @@ CachePlan, after the weights are on the device."""
 
 from __future__ import annotations
 
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
 from astream.kvcache.kv_format import KVFormat
 from astream.kvcache.sizing import CachePlan, CacheSpec, plan_cache
 from astream.models.config import ModelConfig

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from astream.core.scheduler import ScheduledBatch, ScheduledSeq
 from astream.executor.decode_tables import DecodeTables
 from astream.executor.host_pack import HostPack
 from astream.ops.varlen import VarlenMeta
-from astream.scheduler import ScheduledBatch, ScheduledSeq
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from astream.outputs import TokenLogprob
+from astream.base.outputs import TokenLogprob
 
 
 @dataclass(slots=True)

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from astream.core.scheduler import ScheduledBatch
+from astream.core.sequence import SequenceStatus
 from astream.executor.inputs import to_device, varlen_meta
 from astream.kvcache.offload_engine import NewKV, Run
 from astream.ops.varlen import VarlenMeta
-from astream.scheduler import ScheduledBatch
-from astream.sequence import SequenceStatus
 
 
 @dataclass(slots=True)

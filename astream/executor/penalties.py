@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from astream.core.sequence import Sequence
 from astream.executor.host_pack import HostPack
-from astream.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -15,6 +15,8 @@ from typing import Generator, Protocol
 
 import torch
 
+from astream.core.scheduler import ScheduledBatch
+from astream.core.sequence import Sequence
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.decode_tables import DecodeTables
 from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
@@ -32,8 +34,6 @@ from astream.ops.backends import AttentionBackends
 from astream.policies import PolicyRuntime
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
-from astream.scheduler import ScheduledBatch
-from astream.sequence import Sequence
 
 StepProgram = Generator[Event, None, "StepOutput"]
 

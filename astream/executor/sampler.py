@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from astream.base.sampling import choice_seed
+from astream.core.scheduler import ScheduledSeq
 from astream.executor.inputs import to_device
 from astream.executor.penalties import LogitsProcessing, build_processing, process_logits
-from astream.sampling import choice_seed
-from astream.scheduler import ScheduledSeq
 
 _MASK64 = (1 << 64) - 1
 

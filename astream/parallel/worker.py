@@ -21,7 +21,7 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
 from astream.executor.build import build_runner, kv_format
 from astream.executor.cache_plan import plan_runner_cache
 from astream.models.config import ModelConfig

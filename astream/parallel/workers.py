@@ -21,8 +21,8 @@ from multiprocessing.connection import Connection, Listener, wait
 
 import torch
 
-from astream.config import EngineConfig
-from astream.errors import TensorParallelError
+from astream.base.config import EngineConfig
+from astream.base.errors import TensorParallelError
 from astream.executor.runner import HostStep
 from astream.kvcache.sizing import CachePlan
 from astream.models.config import ModelConfig

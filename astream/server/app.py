@@ -27,7 +27,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from astream.engine import Engine
+from astream.engine.engine import Engine
 from astream.server.guard import Refusal, refusal
 from astream.server.http import JSON
 from astream.server.listen import CLOSE_GRACE_S, bind, start

@@ -38,15 +38,15 @@ from typing import Any
 
 import anyio
 
-from astream.config import EngineConfig
-from astream.engine import Engine
-from astream.errors import EngineClosedError, PromptTooLongError
-from astream.metrics import EngineMetrics
-from astream.outputs import Progress, StreamToken
+from astream.base.config import EngineConfig
+from astream.base.errors import EngineClosedError, PromptTooLongError
+from astream.base.metrics import EngineMetrics
+from astream.base.outputs import Progress, StreamToken
+from astream.base.sampling import SamplingParams
+from astream.engine.engine import Engine
 from astream.runtime.events import run_off_loop
-from astream.sampling import SamplingParams
 from astream.stages.output_queue import OutputQueue
-from astream.tokenization import Prompt
+from astream.text.tokenization import Prompt
 
 log = logging.getLogger("astream.engine_process")
 

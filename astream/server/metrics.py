@@ -14,8 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from astream.errors import EngineClosedError
-from astream.metrics import Histogram
+from astream.base.errors import EngineClosedError
+from astream.base.metrics import Histogram
 from astream.server.state import ServerState
 
 METRICS_PATH = "/metrics"

@@ -27,9 +27,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Send
 
-from astream.errors import EngineClosedError
-from astream.outputs import CompletionOutput, Progress, StreamToken, TokenLogprob
-from astream.request_stream import RequestStream
+from astream.base.errors import EngineClosedError
+from astream.base.outputs import CompletionOutput, Progress, StreamToken, TokenLogprob
+from astream.engine.request_stream import RequestStream
 from astream.server.guard import http_client, refusal
 from astream.server.http import JSON, BodyError, WhileConnected, json_text, read_body
 from astream.server.openai_schema import (
@@ -156,7 +156,7 @@ def error_response(exc: ApiError) -> Response:
 
 
 def _prompt_error(exc: ValueError) -> ApiError:
-    from astream.errors import PromptTooLongError
+    from astream.base.errors import PromptTooLongError
 
     if isinstance(exc, PromptTooLongError):
         return ApiError(HTTPStatus.BAD_REQUEST, str(exc), "prompt", "context_length_exceeded")

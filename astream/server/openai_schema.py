@@ -20,9 +20,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from astream.sampling import SamplingParams
-from astream.tokenization import Prompt
-from astream.validation import is_unicode, short_repr
+from astream.base.sampling import SamplingParams
+from astream.base.validation import is_unicode, short_repr
+from astream.text.tokenization import Prompt
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 MAX_LOGPROBS = 20                            # OpenAI's limit for top_logprobs

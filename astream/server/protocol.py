@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-from astream.outputs import StreamToken
-from astream.sampling import SamplingParams
-from astream.tokenization import Prompt
-from astream.validation import is_unicode, short_repr
+from astream.base.outputs import StreamToken
+from astream.base.sampling import SamplingParams
+from astream.base.validation import is_unicode, short_repr
+from astream.text.tokenization import Prompt
 
 PROTOCOL_VERSION = "astream-ws/1"
 MAX_ID_CHARS = 256

@@ -19,9 +19,9 @@ import anyio
 from anyio.abc import TaskGroup
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketDisconnected
 
-from astream.errors import EngineClosedError, PromptTooLongError
-from astream.outputs import Progress, StreamToken
-from astream.request_stream import RequestStream
+from astream.base.errors import EngineClosedError, PromptTooLongError
+from astream.base.outputs import Progress, StreamToken
+from astream.engine.request_stream import RequestStream
 from astream.server import protocol as p
 from astream.server.state import ServerState, admitted
 

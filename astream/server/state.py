@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from astream.engine import Engine
-from astream.errors import EngineClosedError
-from astream.outputs import Progress, StreamToken
-from astream.request_stream import RequestStream
+from astream.base.errors import EngineClosedError
+from astream.base.outputs import Progress, StreamToken
+from astream.engine.engine import Engine
+from astream.engine.request_stream import RequestStream
 from astream.server.options import ServerOptions
 from astream.server.protocol import PROTOCOL_VERSION
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from astream.metrics import EngineMetrics
-from astream.outputs import Progress, TokenLogprob
-from astream.request import stream_token
+from astream.base.metrics import EngineMetrics
+from astream.base.outputs import Progress, TokenLogprob
+from astream.core.request import stream_token
 from astream.stages.output_queue import OutputQueue
 
 log = logging.getLogger("astream.requests")

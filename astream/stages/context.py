@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import anyio
 
-from astream.core import EngineCore, ScheduledBatch
-from astream.request import Request
+from astream.core.engine_core import EngineCore, ScheduledBatch
+from astream.core.request import Request
 from astream.runtime.events import Notifier
-from astream.tokenization import Prompt
+from astream.text.tokenization import Prompt
 
 # Steps launched but not yet emitted. Two lets step n+1 run on the device while
 # step n's sampled ids travel to the host; a third would need ids two steps old.

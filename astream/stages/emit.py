@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from astream.core import StepOutput
+from astream.core.engine_core import StepOutput
 from astream.runtime.events import wait_event
 from astream.stages.context import StageContext
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from astream.core import ScheduledBatch
-from astream.errors import TensorParallelError
+from astream.base.errors import TensorParallelError
+from astream.core.engine_core import ScheduledBatch
 from astream.runtime.events import drive
 from astream.stages.context import StageContext
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from astream.core import StepOutput
+from astream.core.engine_core import StepOutput
 from astream.runtime.events import wait_event
 from astream.stages.context import StageContext
 

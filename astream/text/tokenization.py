@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Sequence as Seq, Union
 
-from astream.validation import is_unicode
+from astream.base.validation import is_unicode
 
 Prompt = Union[str, list[int], list[dict]]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from astream.validation import is_unicode, short_repr
+from astream.base.validation import is_unicode, short_repr
 
 MAX_INT64 = 2**63 - 1
 MAX_TOKENS_LIMIT = 2**31 - 1          # beyond any context a model has

@@ -12,7 +12,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from astream.config import EngineConfig
+from astream.base.config import EngineConfig
+from astream.base.errors import PromptTooLongError
+from astream.base.outputs import TokenLogprob
+from astream.base.sampling import SamplingParams
+from astream.core.request import Choice, ListSink, Request, RequestSink
+from astream.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from astream.core.sequence import Sequence
 from astream.executor.build import build_runner, kv_format
 from astream.executor.cache_plan import plan_runner_cache
 from astream.executor.runner import ModelRunner, PreparedStep, StepOutput, StepProgram
@@ -27,15 +33,9 @@ from astream.ops.triton_warmup import start_cache_key_warmup
 from astream.parallel.group import rank_device
 from astream.parallel.workers import WorkerGroup
 from astream.policies import check_policy_mode, make_policy
-from astream.outputs import TokenLogprob
-from astream.request import Choice, ListSink, Request, RequestSink
 from astream.runtime.device import DeviceRuntime
-from astream.sampling import SamplingParams
-from astream.errors import PromptTooLongError
-from astream.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from astream.sequence import Sequence
-from astream.text import IncrementalDetokenizer, RequestText
-from astream.tokenization import Prompt, PromptBound, prompt_to_ids, stop_token_ids
+from astream.text.request_text import IncrementalDetokenizer, RequestText
+from astream.text.tokenization import Prompt, PromptBound, prompt_to_ids, stop_token_ids
 
 __all__ = ["EngineCore", "PreparedStep", "ScheduledBatch", "StepOutput", "StepProgram"]
 

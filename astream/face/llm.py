@@ -6,11 +6,11 @@ import weakref
 
 import anyio
 
-from astream.engine import Engine
-from astream.outputs import Completion
+from astream.base.outputs import Completion
+from astream.base.sampling import SamplingParams
+from astream.engine.engine import Engine
 from astream.runtime.loop_thread import LoopThread
-from astream.sampling import SamplingParams
-from astream.tokenization import Prompt
+from astream.text.tokenization import Prompt
 
 
 class LLM:

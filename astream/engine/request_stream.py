@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Awaitable, Callable
 
-from astream.outputs import Progress, StreamToken
-from astream.request import Request
+from astream.base.outputs import Progress, StreamToken
+from astream.core.request import Request
 from astream.stages.channel import RequestChannel
 
 

@@ -60,8 +60,8 @@ def parse_command(argv: list[str] | None, environ: Mapping[str, str]) -> tuple[a
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from astream.config import EngineConfig
-    from astream.sampling import SamplingParams
+    from astream.base.config import EngineConfig
+    from astream.base.sampling import SamplingParams
     from astream.server.options import ServerOptions
 
     parser = argparse.ArgumentParser(prog="astream", description="asyncio streaming LLM inference")
@@ -203,8 +203,8 @@ def _engine_skip(run) -> set[str]:
 
 def _option_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """The parser's options that a file or variable may set: dataclass fields, and --model."""
-    from astream.config import EngineConfig
-    from astream.sampling import SamplingParams
+    from astream.base.config import EngineConfig
+    from astream.base.sampling import SamplingParams
     from astream.server.options import ServerOptions
 
     fields = {"model"} | {f.name for cls in (EngineConfig, SamplingParams, ServerOptions)
@@ -214,9 +214,9 @@ def _option_names(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]
 
 def _apply_settings(args: argparse.Namespace, parser: argparse.ArgumentParser,
                     environ: Mapping[str, str]) -> dict[str, str]:
-    """Fill options not given as flags from --config and ASTREAM_* variables (astream/settings.py);
+    """Fill options not given as flags from --config and ASTREAM_* variables (astream/face/settings.py);
     returns where each option set came from, for error messages."""
-    from astream.settings import OptionSpec, layered, read_config_file
+    from astream.face.settings import OptionSpec, layered, read_config_file
 
     actions = _option_names(parser)
     given = {name for name in actions if getattr(args, name, None) is not None}
@@ -257,8 +257,8 @@ def user_message(message: str, options: Mapping[str, argparse.Action], sources: 
 
 def _configs(args: argparse.Namespace) -> tuple:
     """Validated settings for the command, so bad values fail before the model loads."""
-    from astream.config import EngineConfig
-    from astream.sampling import SamplingParams
+    from astream.base.config import EngineConfig
+    from astream.base.sampling import SamplingParams
     from astream.server.options import ServerOptions
 
     if args.run is _graph:
@@ -269,7 +269,7 @@ def _configs(args: argparse.Namespace) -> tuple:
             raise ValueError("node_rank 0 runs the engine itself (generate, chat or serve with "
                              "--nnodes); a worker has --node-rank 1 or more")
         return (config,)
-    from astream.engine import Engine
+    from astream.engine.engine import Engine
 
     engine = _pick(args, EngineConfig, _engine_skip(args.run))
     if getattr(args, "served_model", None):
@@ -349,7 +349,7 @@ async def _worker(args: argparse.Namespace, config) -> None:
 
 
 async def _generate(args: argparse.Namespace, engine_kw: dict, params) -> None:
-    from astream.engine import Engine
+    from astream.engine.engine import Engine
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     async with Engine(args.model, **engine_kw) as engine:
@@ -363,7 +363,7 @@ async def _generate(args: argparse.Namespace, engine_kw: dict, params) -> None:
 
 
 async def _chat(args: argparse.Namespace, engine_kw: dict, params) -> None:
-    from astream.engine import Engine
+    from astream.engine.engine import Engine
 
     status = StatusLine(sys.stderr)
     conversation = Conversation(args.system)
@@ -479,7 +479,7 @@ def peak_memory() -> str:
 
 async def _print_stream(engine, prompt, params, status: StatusLine) -> StreamStats:
     """Stream one request's text to stdout, prefill progress to stderr."""
-    from astream.outputs import Progress
+    from astream.base.outputs import Progress
 
     stats = StreamStats(started=time.perf_counter())
     async with await engine.request(prompt, params, progress=True) as request:
@@ -503,7 +503,7 @@ async def _print_stream(engine, prompt, params, status: StatusLine) -> StreamSta
 async def _serve(args: argparse.Namespace, engine_kw: dict, options) -> None:
     import logging
 
-    from astream.engine import Engine
+    from astream.engine.engine import Engine
     from astream.server import PROTOCOL_VERSION, StreamServer
     from astream.server.engine_process import EngineProcess
     from astream.server.listen import bind

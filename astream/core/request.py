@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from astream.outputs import Progress, StreamToken, TokenLogprob
-from astream.sampling import SamplingParams
-from astream.sequence import Sequence
-from astream.text import RequestText
+from astream.base.outputs import Progress, StreamToken, TokenLogprob
+from astream.base.sampling import SamplingParams
+from astream.core.sequence import Sequence
+from astream.text.request_text import RequestText
 
 
 class RequestSink(Protocol):

@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from astream.errors import PromptTooLongError
+from astream.base.errors import PromptTooLongError
+from astream.core.sequence import Sequence, SequenceStatus
+from astream.core.wait_queue import WaitQueue
 from astream.kvcache.block_manager import BlockManager
-from astream.wait_queue import WaitQueue
-from astream.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,21 +16,21 @@ from typing import AsyncIterator, Callable
 import anyio
 import torch
 
-from astream.config import EngineConfig
-from astream.core import EngineCore
-from astream.errors import EngineClosedError
-from astream.load_progress import LoadProgress, wants_progress
-from astream.metrics import EngineMetrics
-from astream.outputs import Completion, CompletionOutput, Progress, StreamToken
+from astream.base.config import EngineConfig
+from astream.base.errors import EngineClosedError
+from astream.base.metrics import EngineMetrics
+from astream.base.outputs import Completion, CompletionOutput, Progress, StreamToken
+from astream.base.sampling import SamplingParams
+from astream.core.engine_core import EngineCore
+from astream.core.request import Request
+from astream.engine.load_progress import LoadProgress, wants_progress
+from astream.engine.request_stream import RequestStream
 from astream.policies import check_policy_mode, make_policy
-from astream.request import Request
-from astream.request_stream import RequestStream
 from astream.runtime.events import Notifier, run_off_loop
-from astream.sampling import SamplingParams
 from astream.stages import graph
 from astream.stages.channel import Rejected, RequestChannel
 from astream.stages.context import STEPS_IN_FLIGHT, StageContext, Submission
-from astream.tokenization import Prompt
+from astream.text.tokenization import Prompt
 
 log = logging.getLogger("astream")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from astream.sampling import SamplingParams
+from astream.base.sampling import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

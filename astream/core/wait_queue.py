@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping
 
-from astream.sequence import Sequence
+from astream.core.sequence import Sequence
 
 Line = tuple[str, bool]                    # (client, short)
 

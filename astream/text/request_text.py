@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from astream.sampling import SamplingParams
-from astream.stop_matcher import StopMatcher
+from astream.base.sampling import SamplingParams
+from astream.text.stop_matcher import StopMatcher
 
 try:
     from tokenizers.decoders import DecodeStream

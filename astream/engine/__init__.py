@@ -1,0 +1,1 @@
+"""astream.engine: the async layer: the Engine on an event loop, request streams, load progress."""

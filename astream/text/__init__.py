@@ -1,0 +1,1 @@
+"""astream.text: prompts to token ids, incremental detokenization and stop strings."""
