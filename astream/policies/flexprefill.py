@@ -49,10 +49,12 @@ class FlexPrefillPolicy(SparsePolicy):
     min_budget: int = 1024
     max_budget: int | None = None
     block_size: int = 128
+    dense_tail: int = 0
     name = "flexprefill"
     phase = "prefill"
 
     def __post_init__(self) -> None:
+        check_int("FlexPrefillPolicy", "dense_tail", self.dense_tail, 0)
         for key in ("gamma", "tau"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -35,10 +35,12 @@ class MInferencePolicy(SparsePolicy):
     local: int = 100
     block_size: int = 64
     scale_with_length: bool = True
+    dense_tail: int = 0
     name = "minference"
     phase = "prefill"
 
     def __post_init__(self) -> None:
+        check_int("MInferencePolicy", "dense_tail", self.dense_tail, 0)
         for key in ("vertical_size", "slash_size", "last_q", "block_size"):
             check_int("MInferencePolicy", key, getattr(self, key), 1)
         for key in ("sink", "local"):

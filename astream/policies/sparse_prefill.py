@@ -1,5 +1,12 @@
 """What the sparse prefill methods share: each replaces the causal attention of every
-sequence's prefill chunk (over its prefix and itself) and counts what it read."""
+sequence's prefill chunk (over its prefix and itself) and counts what it read.
+
+Each policy's `dense_tail` last queries of a chunk read every key they can see, exactly:
+the end of a prompt (a question, an instruction) is what its first output token is computed
+from, and there an estimate that drops the one block holding a fact loses the answer. At
+128K it costs `dense_tail` rows of full attention per chunk, a fraction of a percent of the
+chunk's dense work. The density counters count what the estimate kept, not the tail.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from astream.ops.attention import varlen_attention
 from astream.ops.varlen import VarlenMeta
 from astream.policies.base import KVLayout, PolicyRuntime
 
@@ -19,8 +27,9 @@ def prefill_counters(layout: KVLayout) -> Tensor:
 
 @dataclass(slots=True)
 class SequencePrefillRuntime(PolicyRuntime):
-    """Subclasses give `attend_sequence` for one sequence's chunk; non-causal parts (slices of
-    a prefix) are left to the engine's kernel."""
+    """Subclasses give `attend_sequence` for one sequence's chunk and hold their policy as the
+    field `policy` (its `dense_tail` is read here); non-causal parts (slices of a prefix) are
+    left to the engine's kernel."""
 
     counters: Tensor                  # [layers, 2]: what prefill read, what it could see
 
@@ -47,6 +56,10 @@ class SequencePrefillRuntime(PolicyRuntime):
                 layer, q[q0:q1], k[k0:k1], v[k0:k1], scale)
             self.counters[layer, 0] += read
             self.counters[layer, 1] += visible
+            tail = min(self.policy.dense_tail, q1 - q0)
+            if tail:
+                out[q1 - tail:q1], lse[q1 - tail:q1] = _dense_rows(
+                    q[q1 - tail:q1], k[k0:k1], v[k0:k1], scale)
         return out, lse
 
     def density_stats(self, name: str, totals: str) -> dict:
@@ -55,3 +68,13 @@ class SequencePrefillRuntime(PolicyRuntime):
         read, visible = self.counters.cpu().unbind(1)
         return {name: [round(r / v, 4) if v else None for r, v in zip(read.tolist(), visible.tolist())],
                 totals: [int(read.sum()), int(visible.sum())]}
+
+
+def _dense_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Exact causal attention of a chunk's last len(q) queries over its keys k/v (the last
+    len(q) keys are theirs: bottom-right alignment)."""
+    bounds = [0, q.shape[0]], [0, k.shape[0]]
+    meta = VarlenMeta(torch.tensor(bounds[0], dtype=torch.int32, device=q.device),
+                      torch.tensor(bounds[1], dtype=torch.int32, device=q.device),
+                      q.shape[0], k.shape[0], *bounds)
+    return varlen_attention(q, k, v, meta, causal=True, scale=scale)

@@ -27,10 +27,12 @@ class XAttentionPolicy(SparsePolicy):
     threshold: float = 0.9
     block_size: int = 128
     stride: int = 8
+    dense_tail: int = 0
     name = "xattention"
     phase = "prefill"
 
     def __post_init__(self) -> None:
+        check_int("XAttentionPolicy", "dense_tail", self.dense_tail, 0)
         if isinstance(self.threshold, bool) or not isinstance(self.threshold, (int, float)) \
                 or not 0.0 < self.threshold <= 1.0:
             raise ValueError(f"XAttentionPolicy threshold must be in (0, 1], got {self.threshold!r}")
