@@ -268,8 +268,9 @@ def test_policy_parameters_are_checked():
             FlexPrefillPolicy(**bad)
     with pytest.raises(ValueError, match="no budget"):
         make_policy("flexprefill", 1024)
-    assert make_policy("flexprefill") == FlexPrefillPolicy(gamma=0.95, tau=0.1, min_budget=1024,
-                                                           max_budget=None, block_size=128)
+    assert make_policy("flexprefill") == FlexPrefillPolicy(gamma=0.99, tau=0.1, min_budget=1024,
+                                                           max_budget=None, block_size=128,
+                                                           dense_tail=128)
     assert make_policy("flexprefill(gamma=0.9, tau=0.2, max_budget=8192)") == FlexPrefillPolicy(
         gamma=0.9, tau=0.2, max_budget=8192)
     combined = make_policy("flexprefill+quest", 512)

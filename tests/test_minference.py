@@ -180,9 +180,12 @@ def test_policy_parameters_and_sizes_are_checked():
         with pytest.raises(ValueError, match="MInferencePolicy"):
             MInferencePolicy(**bad)
     policy = make_policy("minference")
-    assert policy.sizes(131072) == (1000, 6096)
-    assert policy.sizes(32768) == (250, 1524)
-    assert policy.sizes(200) == (30, 100)                       # never below sink and local
+    assert policy.sizes(131072) == policy.sizes(32768) == (1000, 6096)
+    assert policy.sizes(2000) == (1000, 2000)                   # never more than the keys
+    scaled = MInferencePolicy(scale_with_length=True)
+    assert scaled.sizes(131072) == (1000, 6096)
+    assert scaled.sizes(32768) == (250, 1524)
+    assert scaled.sizes(200) == (30, 100)                       # never below sink and local
     assert make_policy("minference+quest", 256).decode.budget_tokens == 256
 
 

@@ -4,10 +4,11 @@ columns and diagonals the chunk's last queries attend to most.
 Each prefill chunk's attention (over its prefix and itself) is replaced, head by head, by
 attention over the pattern of astream.ops.minference: the top `vertical_size` key columns
 (always the first `sink`) and the top `slash_size` diagonals (always the nearest `local`),
-estimated from the chunk's last `last_q` queries. The sizes are the paper's for a 128K
-context and, with `scale_with_length` (the default), shrink in proportion to the keys a
-chunk sees, so a shorter prompt keeps the same share; they never go below `sink` columns
-and `local` diagonals. Sizes that cover every key (e.g. `scale_with_length=False` and
+estimated from the chunk's last `last_q` queries. The sizes are the paper's, kept at
+every length as its code does (a shorter prompt then keeps a larger share: that is what
+keeps its accuracy on the multi-item tasks at 16-32K, docs/BENCHMARKS.md); with
+`scale_with_length` they shrink in proportion to the keys a chunk sees instead, never
+below `sink` columns and `local` diagonals. Sizes that cover every key (e.g. `scale_with_length=False` and
 sizes of the longest prompt) are exactly full attention. Decode stays Full (or Quest, combined).
 With offload, each chunk's prefix comes to the device whole for this (see
 executor/offload_attention.py), so both paths select the same keys.
@@ -34,8 +35,8 @@ class MInferencePolicy(SparsePolicy):
     sink: int = 30
     local: int = 100
     block_size: int = 64
-    scale_with_length: bool = True
-    dense_tail: int = 0
+    scale_with_length: bool = False
+    dense_tail: int = 128
     name = "minference"
     phase = "prefill"
 

@@ -27,7 +27,7 @@ class XAttentionPolicy(SparsePolicy):
     threshold: float = 0.9
     block_size: int = 128
     stride: int = 8
-    dense_tail: int = 0
+    dense_tail: int = 128
     name = "xattention"
     phase = "prefill"
 
