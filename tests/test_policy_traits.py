@@ -119,6 +119,16 @@ def test_quest_reports_its_stats_through_its_runtime(tiny_qwen3):
     assert not any(key.startswith("quest") for key in stats)
 
 
+def test_device_layers_the_memory_plan_did_not_count_are_an_error(tiny_qwen3):
+    @dataclass(slots=True, frozen=True)
+    class Unplanned(RecordingPolicy):
+        def offload_device_layers(self, num_layers):
+            return ()
+
+    with pytest.raises(ValueError, match=r"keeps layers \[0\] on the device.*counted \[\]"):
+        run(tiny_qwen3, Unplanned(budget_tokens=512, on_device=(0,)), True)
+
+
 def _layout(offload: bool) -> KVLayout:
     return KVLayout(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, num_blocks=16,
                     block_size=16, dtype=torch.float32, device=torch.device("cpu"),

@@ -50,6 +50,11 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
     bound = policy.bind(layout)
+    planned = frozenset(policy.offload_device_layers(model.num_layers) if config.offload else ())
+    if bound.traits.device_layers != planned:
+        raise ValueError(f"sparse policy {policy.name}: its runtime keeps layers "
+                         f"{sorted(bound.traits.device_layers)} on the device, but the memory plan "
+                         f"counted {sorted(planned)} (offload_device_layers)")
     parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=bound,
                  generator=generator, block_size=plan.block_size, eos_ids=eos_ids)
     if config.offload:

@@ -77,7 +77,8 @@ class PolicyTraits:
     select_above: int = 0            # ... once a step's longest decode context exceeds this (tokens)
     loads_pages: bool = False                      # with offload, call load_pages for the pages
     prefill_layers: frozenset[int] = NO_LAYERS     # layers whose prefill attention it replaces
-    # With offload, layers whose KV stays on the device too (`offload_device_layers`).
+    # With offload, layers whose KV stays on the device too: `offload_device_layers`, which
+    # sized the memory before bind (the engine raises ValueError where they differ).
     device_layers: frozenset[int] = NO_LAYERS
 
 
