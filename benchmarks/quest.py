@@ -196,6 +196,7 @@ def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = 
     runtime = core.runner.policy
     runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers,
                                  reuse_pages=runtime.policy.reuse_pages)
+    runtime.traits = dataclasses.replace(runtime.traits, select_above=budget)
     core.runner.decoder.kernels = LayerKernels(kernels)
     # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
     core.runner.graphs = None
@@ -378,9 +379,9 @@ def select(c: dict, budget: int, fn=None):
 
 def quest_step(c: dict, budget: int):
     """Selection -> selected decode: one layer's Quest decode."""
-    from astream.ops import quest
+    from astream.ops import pages as page_ops
     pages, counts, _ = select(c, budget)
-    return quest.paged_decode_selected(c["q"], c["k"], c["v"], c["tables"], pages, counts,
+    return page_ops.paged_decode_selected(c["q"], c["k"], c["v"], c["tables"], pages, counts,
                                        c["lens"], page_size=PAGE, scale=DIM ** -0.5)
 
 
@@ -402,21 +403,21 @@ def mismatch(got, want) -> float:
 
 
 def decode_row(c: dict, budget: int, reps: int) -> dict:
-    from astream.ops import quest
+    from astream.ops import pages as page_ops
     from astream.ops.quest_select import select_decode_pages_ref
     q = c["q"]
     chosen = select(c, budget)
     args = (q, c["k"], c["v"], c["tables"], chosen.indices, chosen.counts, c["lens"])
     kw = dict(page_size=PAGE, scale=DIM ** -0.5)
-    out, lse = quest.paged_decode_selected(*args, **kw)
-    ref_out, ref_lse = quest.paged_decode_selected_ref(q.float(), *args[1:], **kw)
+    out, lse = page_ops.paged_decode_selected(*args, **kw)
+    ref_out, ref_lse = page_ops.paged_decode_selected_ref(q.float(), *args[1:], **kw)
     max_ctx = c["ids"].shape[1] * PAGE
     errors = {"select_mismatch": mismatch(chosen, select(c, budget, select_decode_pages_ref)),
               "err_out": rel_err(out, ref_out), "err_lse": rel_err(lse, ref_lse)}
     return {**errors, "ok": max(errors.values()) < ERR_LIMIT,
             "select_us": times_us(lambda: select(c, budget), reps),
             "select_ref_us": times_us(lambda: select(c, budget, select_decode_pages_ref), reps),
-            "selected_us": times_us(lambda: quest.paged_decode_selected(*args, **kw), reps),
+            "selected_us": times_us(lambda: page_ops.paged_decode_selected(*args, **kw), reps),
             "step_us": times_us(lambda: quest_step(c, budget), reps),
             "dense_us": times_us(lambda: dense_decode(c, max_ctx), reps)}
 
@@ -471,7 +472,7 @@ def graph_row(c: dict, budget: int) -> dict:
 def gather_cases(batch: int, budgets: list[int], host_blocks: int, reps: int, dev: str,
                  gen: torch.Generator):
     """Zero-copy page gather from a pinned head-major host pool, and from device memory."""
-    from astream.ops import quest
+    from astream.ops import pages as page_ops
     from astream.runtime.pinned import PinnedHostTensor
     shape = (2, host_blocks, KV_HEADS, HOST_BLOCK, DIM)
     pool = PinnedHostTensor(shape, torch.bfloat16, pin=dev == "cuda")
@@ -484,7 +485,7 @@ def gather_cases(batch: int, budgets: list[int], host_blocks: int, reps: int, de
             counts = torch.full((batch, KV_HEADS), budget, dtype=torch.int32, device=dev)
             dst = torch.empty(2, batch, KV_HEADS, budget * PAGE, DIM, dtype=torch.bfloat16, device=dev)
             want = torch.empty_like(dst)
-            quest.gather_pages_ref(sources["device"][0], sources["device"][1], page_src, *want, counts)
+            page_ops.gather_pages_ref(sources["device"][0], sources["device"][1], page_src, *want, counts)
             for where, src in sources.items():
                 yield ({"part": "gather", "source": where, "batch": batch, "budget_pages": budget},
                        partial(gather_row, src, page_src, dst, want, counts, reps))
@@ -493,10 +494,10 @@ def gather_cases(batch: int, budgets: list[int], host_blocks: int, reps: int, de
 
 
 def gather_row(src, page_src, dst, want, counts, reps: int) -> dict:
-    from astream.ops import quest
+    from astream.ops import pages as page_ops
 
     def run():
-        quest.gather_pages(src[0], src[1], page_src, *dst, counts)
+        page_ops.gather_pages(src[0], src[1], page_src, *dst, counts)
     try:
         dst.zero_()
         run()
@@ -606,7 +607,7 @@ def scores(q, kmin, kmax, tables, lens, max_pages: int, block_p: int, warps: int
     import triton
 
     from astream.ops import triton_quest_select as tqs
-    from astream.ops.triton_quest import group_tile
+    from astream.ops.triton_pages import group_tile
     out = torch.empty(q.shape[0], KV_HEADS, max_pages, dtype=torch.float32, device=q.device)
     use_dot, group_pad = group_tile(GROUP, DIM, None)
     tqs._table_scores_kernel[(q.shape[0], KV_HEADS, triton.cdiv(max_pages, block_p))](
@@ -636,7 +637,7 @@ def selected_inputs(data, budget: int, max_pages: int, triton: bool = True) -> t
 
 
 def attend(args, splits):
-    from astream.ops.triton_quest import paged_decode_selected_triton
+    from astream.ops.triton_pages import paged_decode_selected_triton
     return paged_decode_selected_triton(*args, page_size=PAGE, scale=DIM ** -0.5,
                                         num_splits=splits)[0]
 
@@ -657,7 +658,7 @@ def kernel_sweep_cases(o):
     for context, batch, data, max_pages in sweep_shapes(o):
         case = {"context": context, "batch": batch}
         if not triton_here(o.device):
-            from astream.ops.quest import paged_decode_selected_ref
+            from astream.ops.pages import paged_decode_selected_ref
             args = selected_inputs(data, o.budget // PAGE, max_pages, triton=False)
             yield ({**case, "kernel": "scores", "variant": "reference"},
                    partial(reference_row, lambda: scores_ref(data, max_pages), o.reps))

@@ -176,7 +176,8 @@ def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
 
 def _layout(device, dtype):
     from astream.policies import KVLayout
-    return KVLayout(1, HEADS, KV_HEADS, DIM, 1, 16, dtype, device, offload=False, key_dtype=dtype)
+    return KVLayout(1, HEADS, KV_HEADS, DIM, 1, 16, dtype, device, offload=False, key_dtype=dtype,
+                    max_num_seqs=1)
 
 
 def _spread(seconds: list[float]) -> list[float]:

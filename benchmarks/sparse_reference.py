@@ -49,7 +49,7 @@ from astream.ops import quest as quest_ops
 from astream.ops import xattention as xattn_ops
 from astream.ops.attention import VarlenMeta, varlen_attention
 from astream.ops.quest_select import select_decode_pages_ref
-from astream.policies.base import DecodeQuery, KVLayout
+from astream.policies.base import DecodeQuery, KVLayout, StepShape
 from astream.policies.minference import MInferencePolicy
 from astream.policies.quest import QuestPolicy
 from astream.policies.xattention import XAttentionPolicy
@@ -212,7 +212,7 @@ def astream_quest_pages(runtime, layer: int, q: torch.Tensor, t: int, block_size
     policy = runtime.policy
     context = t + 1
     n_pages = -(-context // policy.page_size)
-    if not runtime.selects_decode(layer, context):
+    if layer not in runtime.plan_step(StepShape(1, context)).select_layers:
         return [set(range(n_pages))] * runtime.layout.num_kv_heads
     tables = torch.arange(n_blocks, dtype=torch.int32, device=q.device).view(1, -1)
     full = torch.tensor([t // block_size * block_size], dtype=torch.int32, device=q.device)
@@ -260,7 +260,7 @@ def compare_quest(args, layers, model_dtype, device) -> dict:
     for budget in args.quest_budgets:
         policy = QuestPolicy(budget_tokens=budget)
         layout = KVLayout(len(layers), n_heads, kv_heads, head_dim, n_blocks, block, model_dtype,
-                          torch.device(device), False, model_dtype)
+                          torch.device(device), False, model_dtype, max_num_seqs=1)
         runtime = policy.bind(layout)
         summed = QuestPolicy(budget_tokens=budget, gqa_reduce="sum").bind(layout)
         rows = {name: {} for name in ("astream_vs_eval", "astream_recall_of_eval", "astream_vs_kernel",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from astream import LLM, Engine, SamplingParams
-from astream.policies import PolicyRuntime, SparsePolicy
+from astream.policies import PolicyRuntime, PolicyTraits, SparsePolicy
 from tests.conftest import PROMPTS
 
 # Small blocks, slots and budgets so a short prompt already crosses every path:
@@ -87,7 +87,7 @@ class RecordingPolicy(SparsePolicy):
             def on_kv_written(self, layer, keys, slots) -> None:
                 calls.append((layer, slots.clone(), keys.clone()))
 
-        return Recorder()
+        return Recorder(traits=PolicyTraits(watches_keys=True))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

@@ -1,4 +1,4 @@
-"""Quest's page reuse plan (kvcache.page_reuse) against a model of the slots kept in Python."""
+"""Quest's page reuse plan (policies.quest.page_reuse) against a model of the slots kept in Python."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from astream.kvcache.page_reuse import plan_reuse, plan_reuse_
+from astream.policies.quest.page_reuse import plan_reuse, plan_reuse_
 from triton_interpreter import run_interpreted_check
 
 

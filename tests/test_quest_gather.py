@@ -1,4 +1,4 @@
-"""The Quest page gather (astream.ops.quest.gather_pages): the torch reference against brute
+"""The Quest page gather (astream.ops.pages.gather_pages): the torch reference against brute
 force and the offload flow, and the Triton kernel against the reference (interpreter on the
 CPU, compiled and reading pinned host memory in place on CUDA)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from triton_interpreter import run_interpreted_check
 
-from astream.ops import quest
+from astream.ops import pages as page_ops
 from astream.ops.quest_select import physical_page_ids, select_pages
 
 def gather_case(seed, batch=2, kvh=2, n_sel=5, block=32, page=16, dim=64):
@@ -28,7 +28,7 @@ def gather_case(seed, batch=2, kvh=2, n_sel=5, block=32, page=16, dim=64):
 
 def test_gather_reference_copies_selected_pages():
     src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(0)
-    quest.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts)
+    page_ops.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts)
     for b, h, j in itertools.product(*map(range, page_src.shape)):
         got = dst_k[b, h, j * 16:(j + 1) * 16], dst_v[b, h, j * 16:(j + 1) * 16]
         if j >= counts[b, h]:
@@ -51,7 +51,7 @@ def destination_pages(seed: int, page_src: torch.Tensor) -> torch.Tensor:
 def test_gather_to_destination_pages_copies_only_those_with_one():
     src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(5)
     dst_pages = destination_pages(5, page_src)
-    quest.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages=dst_pages)
+    page_ops.gather_pages(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages=dst_pages)
     for b, h in itertools.product(*map(range, page_src.shape[:2])):
         written = {}
         for j in range(int(counts[b, h])):
@@ -80,14 +80,14 @@ def test_gathered_pages_attend_like_the_paged_cache():
     pages, counts = select_pages(torch.randn(2, kvh, 8, generator=gen), num, n_sel)
     counts[1, 1] = 2
     dst = torch.zeros(2, 2, kvh, n_sel * page, dim)
-    quest.gather_pages(pool[0], pool[1], ids.gather(1, pages.long().flatten(1)).view(pages.shape),
+    page_ops.gather_pages(pool[0], pool[1], ids.gather(1, pages.long().flatten(1)).view(pages.shape),
                        dst[0], dst[1], counts)
     dense = dst.transpose(2, 3)  # [B, n_sel * page, KVH, D]: "block" b is sequence b's buffer
-    out, lse = quest.paged_decode_selected(
+    out, lse = page_ops.paged_decode_selected(
         q, dense[0], dense[1], torch.arange(2, dtype=torch.int32).view(2, 1),
         torch.arange(n_sel, dtype=torch.int32).expand(2, kvh, n_sel), counts,
         torch.full((2,), n_sel * page, dtype=torch.int32), page_size=page, scale=0.25)
-    want = quest.paged_decode_selected(q, pool[0].transpose(1, 2), pool[1].transpose(1, 2),
+    want = page_ops.paged_decode_selected(q, pool[0].transpose(1, 2), pool[1].transpose(1, 2),
                                        tables, pages, counts, lens, page_size=page, scale=0.25)
     torch.testing.assert_close(out, want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, want[1], atol=1e-5, rtol=1e-5)
@@ -101,7 +101,7 @@ GATHER_CASES = ((0, True, False, False), (1, False, False, False), (2, True, Tru
 
 def check_triton_gather(device: str) -> int:
     """The gather kernel against the reference, bit for bit; returns the cases checked."""
-    from astream.ops import triton_quest
+    from astream.ops import triton_pages
     n = 0
     for seed, with_counts, fp8, to_pages in GATHER_CASES:
         src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed)
@@ -111,13 +111,13 @@ def check_triton_gather(device: str) -> int:
         counts = counts if with_counts else None
         page_src = page_src.clamp(min=0)
         want_k, want_v = dst_k.clone(), dst_v.clone()
-        quest.gather_pages_ref(src_k, src_v, page_src, want_k, want_v, counts, dst_pages)
+        page_ops.gather_pages_ref(src_k, src_v, page_src, want_k, want_v, counts, dst_pages)
         dst_k, dst_v = dst_k.to(device), dst_v.to(device)
         counts = counts.to(device) if with_counts else None
         dst_pages = dst_pages.to(device) if to_pages else None
         if device == "cuda":        # the engine's host pool is pinned: read in place, zero-copy
             src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
-        triton_quest.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts,
+        triton_pages.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts,
                                          dst_pages)
         assert torch.equal(dst_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
         assert torch.equal(dst_v.cpu().view(torch.uint8), want_v.view(torch.uint8))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from triton_interpreter import run_interpreted_check
 
-from astream.ops import quest
+from astream.ops import pages as page_ops, quest
 from astream.ops.attention_ref import paged_decode_attention_ref
 from astream.ops.quest_select import select_pages
 
@@ -195,7 +195,7 @@ def naive_selected(q, k_cache, v_cache, tables, pages, counts, lens, page, scale
 def test_selected_reference_matches_masked_dense(group, head_major):
     args = selected_case([0, 5, 40, 77, 130], group, 32, 32, 16, 3, seed=group,
                          head_major=head_major)
-    out, lse = quest.paged_decode_selected(*args, page_size=16, scale=0.2)
+    out, lse = page_ops.paged_decode_selected(*args, page_size=16, scale=0.2)
     want_out, want_lse = naive_selected(*args, page=16, scale=0.2)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
@@ -209,7 +209,7 @@ def test_selected_reference_all_pages_is_full_attention():
     num_pages = (lens + 15) // 16
     pages, counts = select_pages(torch.randn(5, 2, 7), num_pages, budget_pages=7)
     assert torch.equal(counts, num_pages.view(-1, 1).expand(5, 2).int())
-    out, lse = quest.paged_decode_selected(q, kc, vc, tables, pages, counts, lens,
+    out, lse = page_ops.paged_decode_selected(q, kc, vc, tables, pages, counts, lens,
                                            page_size=16, scale=0.125)
     ref_out, ref_lse = paged_decode_attention_ref(q, kc, vc, tables, lens, scale=0.125,
                                                   max_context_len=100)
@@ -234,16 +234,16 @@ SELECTED_CASES = [
 def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
     """The selected-pages decode kernel vs its reference (the gather: test_quest_gather);
     returns the number of cases checked."""
-    from astream.ops import triton_quest
+    from astream.ops import triton_pages
     n = 0
     for i, (ctx, group, dim, block, page, budget, splits, dot, dtype, hm) in \
             enumerate(SELECTED_CASES):
         args = [t.to(device) for t in selected_case(ctx, group, dim, block, page, budget,
                                                     seed=20 + i, dtype=dtype, head_major=hm)]
         kw = dict(page_size=page, scale=dim ** -0.5)
-        out, lse = triton_quest.paged_decode_selected_triton(*args, num_splits=splits,
+        out, lse = triton_pages.paged_decode_selected_triton(*args, num_splits=splits,
                                                              use_dot=dot, **kw)
-        ref_out, ref_lse = quest.paged_decode_selected_ref(args[0].float(), *args[1:], **kw)
+        ref_out, ref_lse = page_ops.paged_decode_selected_ref(args[0].float(), *args[1:], **kw)
         assert out.dtype == dtype and lse.dtype == f32
         tol = tol32 if dtype == f32 else tol16
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
@@ -255,7 +255,7 @@ def check_triton_quest(device: str, tol32: float, tol16: float) -> int:
 
 def check_triton_quest_fp8(device: str, tol: float) -> int:
     """Selected-pages decode over fp8 caches with per-head scales, kernel vs reference."""
-    from astream.ops import triton_quest
+    from astream.ops import triton_pages
     from test_ops import fp8_cache
     cases = [(1, torch.float16, torch.float8_e4m3fn), (4, torch.float16, torch.float8_e5m2)]
     for seed, (case, q_dtype, kv_dtype) in enumerate(cases):
@@ -266,8 +266,8 @@ def check_triton_quest_fp8(device: str, tol: float) -> int:
         (kc, ks), (vc, vs) = fp8_cache(kc, kv_dtype, gen), fp8_cache(vc, kv_dtype, gen)
         args = [t.to(device) for t in (q.to(q_dtype), kc, vc, *rest)]
         kw = dict(page_size=page, scale=dim ** -0.5, kv_scales=(ks.to(device), vs.to(device)))
-        out, lse = triton_quest.paged_decode_selected_triton(*args, num_splits=splits, **kw)
-        ref_out, ref_lse = quest.paged_decode_selected_ref(args[0].float(), *args[1:], **kw)
+        out, lse = triton_pages.paged_decode_selected_triton(*args, num_splits=splits, **kw)
+        ref_out, ref_lse = page_ops.paged_decode_selected_ref(args[0].float(), *args[1:], **kw)
         torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
         torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
     return len(cases)

@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 def _layout(block_size: int) -> KVLayout:
     return KVLayout(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, num_blocks=64,
                     block_size=block_size, dtype=torch.float32, device=torch.device("cpu"),
-                    offload=False, key_dtype=torch.float32)
+                    offload=False, key_dtype=torch.float32, max_num_seqs=1)
 
 
 def _expected(num_pages: int, budget: int, sink: int) -> list[int]:

@@ -349,9 +349,7 @@ class EngineCore:
                 "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_device_layers": sorted(engine.device_layers),
-                "offload_bytes_offloaded": engine.bytes_offloaded,
-                "quest_pages_loaded": engine.reuse.pages_loaded() if engine.reuse is not None
-                else [0] * len(engine.host_k)}
+                "offload_bytes_offloaded": engine.bytes_offloaded}
 
 
 def short_prompt_tokens(budget: int) -> int:

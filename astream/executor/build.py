@@ -46,17 +46,23 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
     # One scratch block past the last: padded rows of a CUDA-graph batch write there.
     layout = KVLayout(model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim,
                       plan.num_blocks + 1, plan.block_size, dtype, device, config.offload,
-                      key_dtype=fmt.dtype)
+                      key_dtype=fmt.dtype, max_num_seqs=config.max_num_seqs)
     generator = torch.Generator(device=device)
     generator.manual_seed(config.seed)
-    parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=policy.bind(layout),
+    bound = policy.bind(layout)
+    planned = frozenset(policy.offload_device_layers(model.num_layers) if config.offload else ())
+    if bound.traits.device_layers != planned:
+        raise ValueError(f"sparse policy {policy.name}: its runtime keeps layers "
+                         f"{sorted(bound.traits.device_layers)} on the device, but the memory plan "
+                         f"counted {sorted(planned)} (offload_device_layers)")
+    parts = dict(decoder=decoder, runtime=runtime, backends=backends, policy=bound,
                  generator=generator, block_size=plan.block_size, eos_ids=eos_ids)
     if config.offload:
         sizes = plan.offload
         offload = OffloadEngine.allocate(
             model, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
             sizes.staging_blocks, config.max_num_seqs, fmt, runtime,
-            device_layers=policy.offload_device_layers(model.num_layers))
+            device_layers=tuple(sorted(bound.traits.device_layers)))
         runner = ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
     else:
         cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, fmt, device)
@@ -68,8 +74,8 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
 def build_graphs(config: EngineConfig, plan: CachePlan,
                  runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs | None:
     """Decode steps captured in CUDA graphs for the runner's KV backend, or None where steps
-    run eagerly: on the CPU, under enforce_eager, and with offload under a policy that
-    selects decode pages on some offloaded layers only (those steps read through the ring).
+    run eagerly: on the CPU, under enforce_eager, and with offload under a policy whose
+    plan at the longest context selects decode pages on some offloaded layers only (those steps read through the ring).
     With offload, a policy that selects on every offloaded layer gathers its pages in the
     graph, and one that never selects loads whole contexts between a chain of graphs
     (executor.offload_graphs). Tensor-parallel steps run eagerly too: a graph would have to

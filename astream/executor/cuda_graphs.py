@@ -21,7 +21,7 @@ from astream.executor.sampler import SamplingBatch
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
-from astream.policies import PolicyRuntime
+from astream.policies import PolicyRuntime, StepShape
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -101,6 +101,7 @@ class DecodeGraphs:
             num_prefill_tokens=0, slot_mapping=buf["slots"][:size], prefill=None,
             prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
             decode_context_lens=buf["lens"][:size], decode_max_context=self.max_context)
-        attend = PagedAttention(self.cache, meta, self.backends, self.policy,
+        step = self.policy.plan_step(StepShape(size, self.max_context))
+        attend = PagedAttention(self.cache, meta, self.backends, self.policy, step,
                                 self.decoder.config.head_dim ** -0.5)
         return self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)

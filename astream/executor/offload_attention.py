@@ -5,11 +5,13 @@ to the host), show the policy the new keys, attend over what is on the device (t
 chunk itself, the tails), then over each ring slot of host KV as it lands, merging by
 LSE. Loads run ahead of compute, across layer boundaries (kvcache.offload_engine.RingLoads).
 
-On a layer where the policy selects decode pages, the decode rows' host KV does not go
-through the ring: the chosen pages are read in place from the host pool by a device
-kernel (OffloadEngine.gather_pages), so only they cross PCIe. Where the policy replaces
-prefill attention (a sparse prefill method, whose estimate needs every key of the
-prefix), prefill rows do not use the ring either: each chunk's prefix comes to the device
+On a layer where the step's plan selects decode pages (`PolicyRuntime.plan_step`), the
+decode rows' host KV does not go through the ring: the chosen pages are read in place
+from the host pool by a device kernel (OffloadEngine.gather_pages, or the policy's own
+`load_pages`, which may keep pages on the device), so only they cross PCIe. On the
+layers whose prefill attention the policy replaces (`PolicyTraits.prefill_layers`: a
+sparse prefill method, whose estimate needs every key of the prefix), prefill rows do
+not use the ring either: each chunk's prefix comes to the device
 whole, a layer ahead of compute (OffloadEngine.context_loads), and the policy attends over
 prefix and chunk at once, exactly as on the resident path. The layers the policy never
 makes sparse (the engine's `device_layers`) keep their whole cache on the device and
@@ -27,15 +29,15 @@ from astream.executor.paged_attention import PagedAttention, prefill_attention
 from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
 from astream.ops.backends import AttentionBackends
-from astream.policies import DecodeQuery, PolicyRuntime
+from astream.policies import DecodeQuery, PolicyRuntime, StepPlan, StepShape
 
 
-def sparse_layers(plan: OffloadStepPlan, policy: PolicyRuntime, num_layers: int) -> list[bool]:
-    """Per layer, whether its decode rows read pages the policy chooses (host ints only)."""
+def plan_offloaded_step(plan: OffloadStepPlan, policy: PolicyRuntime) -> StepPlan:
+    """The policy's plan of an offloaded step: its decode rows select among their host blocks."""
     context = plan.decode_context
     if context is None:
-        return [False] * num_layers
-    return [policy.selects_decode(layer, context.max_context) for layer in range(num_layers)]
+        return policy.plan_step(StepShape(0, 0))
+    return policy.plan_step(StepShape(context.rows.shape[0], context.max_context))
 
 
 @dataclass(slots=True)
@@ -43,7 +45,7 @@ class OffloadAttention:
     engine: OffloadEngine
     plan: OffloadStepPlan
     loads: RingLoads
-    sparse: list[bool]                   # per layer: decode reads selected pages
+    step: StepPlan                       # the policy's plan of this step
     slots: torch.Tensor                  # [T] host-pool slot of each new token
     backends: AttentionBackends
     policy: PolicyRuntime
@@ -56,12 +58,13 @@ class OffloadAttention:
         if layer in self.engine.device_layers:
             return self.on_device(layer, q, k, v)
         stored = self.engine.write_layer(layer, k, v, self.plan.new_kv)
-        if self.policy.watches_keys():
+        if self.policy.traits.watches_keys:
             self.policy.on_kv_written(layer, stored, self.slots)
         out, lse = self._on_device(layer, q, k, v)
-        if self.sparse[layer]:
+        sparse = layer in self.step.select_layers
+        if sparse:
             out, lse = self._selected_pages(layer, q, out, lse)
-        jobs = self.plan.layer_jobs(layer, self.sparse[layer])
+        jobs = self.plan.layer_jobs(layer, sparse)
         for job, slot in self.loads.layer(layer):
             out, lse = self._over_slot(layer, slot, jobs[job], q, out, lse)
         return out
@@ -105,9 +108,8 @@ class OffloadAttention:
             q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
         rows, heads, picked = chosen.indices.shape
         reused = None
-        if context.owners is not None and self.policy.reuses_decode_pages():
-            reused = self.engine.gather_reused_pages(layer, chosen.physical, chosen.counts,
-                                                     chosen.page_size, context.owners)
+        if self.step.load_pages and context.owners is not None:
+            reused = self.policy.load_pages(layer, chosen, self.engine, context.owners)
         if self.gathered_view is None:          # the same shapes on every sparse layer of a step
             self.gathered_view = _gathered_view(rows, heads, picked, chosen.page_size, q.device)
         own_block, page_list, every_token = self.gathered_view

@@ -42,22 +42,23 @@ from astream.kvcache.copy_ring import CopyRing, packed_block_table
 from astream.kvcache.offload_engine import NewKV, OffloadEngine, Run
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
-from astream.policies import PolicyRuntime
+from astream.policies import PolicyRuntime, StepPlan, StepShape
 
 
 def selects_everywhere(policy: PolicyRuntime, engine: OffloadEngine, num_layers: int,
                        max_context: int) -> bool:
     """Whether every layer off the device selects decode pages: only then can a decode step
     skip the ring, and so be captured."""
-    return any(policy.selects_decode(layer, max_context) for layer in range(num_layers)) and all(
-        layer in engine.device_layers or policy.selects_decode(layer, max_context)
-        for layer in range(num_layers))
+    chosen = policy.plan_step(StepShape(1, max_context)).select_layers
+    return bool(chosen) and all(layer in engine.device_layers or layer in chosen
+                                for layer in range(num_layers))
 
 
 def decodes_densely(policy: PolicyRuntime, num_layers: int, max_context: int) -> bool:
     """Whether no layer ever selects decode pages (selection only starts as contexts grow,
     so none at the longest context means none at all)."""
-    return not any(policy.selects_decode(layer, max_context) for layer in range(num_layers))
+    chosen = policy.plan_step(StepShape(1, max_context)).select_layers
+    return not any(layer in chosen for layer in range(num_layers))
 
 
 @dataclass(slots=True)
@@ -198,8 +199,11 @@ class OffloadDecodeGraphs:
             prefill_key_slots=None, decode_block_tables=buf["tables"][:size],
             decode_context_lens=buf["lens"][:size], decode_max_context=self.max_context)
         scale = self.decoder.config.head_dim ** -0.5
+        # Dense: no layer selects. Else every layer off the device selects, whatever the
+        # context: the plan at the longest one.
+        step = StepPlan() if self.dense else self.policy.plan_step(StepShape(size, self.max_context))
         on_device = None if engine.on_device is None else PagedAttention(
-            engine.on_device, meta, self.backends, self.policy, scale)
+            engine.on_device, meta, self.backends, self.policy, step, scale)
         if self.dense:
             # This step's copies (`copy_runs`), issued at the cuts; during a capture, none.
             loads = self.ring = CopyRing(engine, self.sparse_layers, self.copy_runs,
@@ -209,11 +213,9 @@ class OffloadDecodeGraphs:
             packed = packed_block_table(nblocks, host.block_tables.shape[1])
             plan.jobs.append(JobTemplate(decode_index=rows, decode_table_tensor=packed,
                                          decode_lens=host.context_lens, decode_max=self.max_context))
-            sparse = [False] * layers
         else:
             loads = engine.loads([[] for _ in range(layers)])
-            sparse = [layer not in engine.device_layers for layer in range(layers)]
-        attend = OffloadAttention(engine, plan, loads, sparse, meta.slot_mapping, self.backends,
+        attend = OffloadAttention(engine, plan, loads, step, meta.slot_mapping, self.backends,
                                   self.policy, scale, on_device)
         hidden = self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)
         if self.dense:

@@ -82,10 +82,10 @@ class OffloadStepPlan:
     decode_tail_lens: torch.Tensor | None          # [D] tokens in that tail, the new one included
     decode_context: DecodeContext | None           # None without decode rows that have host KV
     prefill_context: PrefillContext | None = None  # asked for by a policy that replaces prefill
-    whole_prefill: tuple[bool, ...] = ()           # per layer: prefill rows use prefill_context
+    whole_prefill: frozenset[int] = frozenset()    # layers whose prefill rows use prefill_context
 
     def reads_whole_prefill(self, layer: int) -> bool:
-        return self.prefill_context is not None and self.whole_prefill[layer]
+        return self.prefill_context is not None and layer in self.whole_prefill
 
     def layer_jobs(self, layer: int, sparse_decode: bool) -> list[JobTemplate]:
         """The ring jobs of a layer: decode rows that select pages gather them instead, and
@@ -185,19 +185,19 @@ class _PlanBuilder:
 
 def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
                        device: torch.device, sparse_decode: bool = False,
-                       whole_prefill: tuple[bool, ...] = ()) -> OffloadStepPlan:
+                       whole_prefill: frozenset[int] = frozenset()) -> OffloadStepPlan:
     """The step's plan on `device` (`plan_offload`, then sent)."""
     return plan_offload(batch, block_size, slot_blocks, tails, sparse_decode,
                         whole_prefill).send(device)
 
 
 def plan_offload(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
-                 sparse_decode: bool = False, whole_prefill: tuple[bool, ...] = ()
+                 sparse_decode: bool = False, whole_prefill: frozenset[int] = frozenset()
                  ) -> "HostOffloadPlan":
     """The step's plan as host lists. The jobs that sparse decode layers (`sparse_decode`:
-    some layer may select pages) and whole-prefill layers (`whole_prefill`, per layer) read
-    are built only when the policy may ask for them."""
-    plan = _PlanBuilder(block_size, slot_blocks, sparse_decode, any(whole_prefill))
+    some layer may select pages) and whole-prefill layers (`whole_prefill`, the policy's
+    `prefill_layers`) read are built only when the policy may ask for them."""
+    plan = _PlanBuilder(block_size, slot_blocks, sparse_decode, bool(whole_prefill))
     row = 0
     for item in batch.items:
         tail = tails.slot_for(item.seq)
@@ -216,7 +216,7 @@ class HostOffloadPlan:
     its own device: every rank moves the same blocks, each of its own KV heads."""
 
     lists: _PlanBuilder
-    whole_prefill: tuple[bool, ...]
+    whole_prefill: frozenset[int]
 
     def send(self, device: torch.device) -> OffloadStepPlan:
         plan, block_size = self.lists, self.lists.block_size

@@ -1,8 +1,9 @@
 """Attention over the device-resident paged cache, as the decoder's `attend` argument.
 
-The sparse policy sees every layer's new keys as they are stored, may replace attention
-over a prefill chunk, and may choose, per sequence and KV head, the pages a decode query
-reads; Full does none of it.
+The sparse policy sees every layer's new keys as they are stored (if its traits say it
+watches them), may replace attention over a prefill chunk, and, on the layers the step's
+plan selects (`PolicyRuntime.plan_step`), chooses per sequence and KV head the pages a
+decode query reads; Full does none of it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from astream.executor.inputs import AttentionMetadata
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.ops.backends import AttentionBackends
 from astream.ops.varlen import VarlenMeta
-from astream.policies import DecodeQuery, PolicyRuntime
+from astream.policies import DecodeQuery, PolicyRuntime, StepPlan
 
 
 @dataclass(slots=True)
@@ -26,13 +27,14 @@ class PagedAttention:
     meta: AttentionMetadata
     backends: AttentionBackends
     policy: PolicyRuntime
+    step: StepPlan                                  # the policy's plan of this step
     scale: float
     full_block_lens: torch.Tensor | None = None     # decode tokens in full blocks (Quest picks there)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta
         self.cache.store(layer, k, v, meta.slot_mapping)
-        if self.policy.watches_keys():
+        if self.policy.traits.watches_keys:
             self.policy.on_kv_written(layer, self.cache.stored_keys(layer, k, meta.slot_mapping),
                                       meta.slot_mapping)
         split = meta.num_prefill_tokens
@@ -55,7 +57,7 @@ class PagedAttention:
     def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         meta, cache = self.meta, self.cache
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        if self.policy.selects_decode(layer, meta.decode_max_context):
+        if layer in self.step.select_layers:
             # Pages are chosen among full blocks; the newest block is read whole, as the
             # device tail is with offload, so both paths read the same pages.
             if self.full_block_lens is None:       # once a step, not once a layer
@@ -76,8 +78,10 @@ class PagedAttention:
 
 def prefill_attention(policy: PolicyRuntime, backends: AttentionBackends, layer: int, q, k, v,
                       meta: VarlenMeta, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over one prefill part: the policy's, if it replaces it, else the kernel's."""
-    replaced = policy.prefill_attention(layer, q, k, v, meta, causal, scale)
-    if replaced is not None:
-        return replaced
+    """Attention over one prefill part: the policy's, on a layer it replaces (and where it
+    takes the part), else the kernel's."""
+    if layer in policy.traits.prefill_layers:
+        replaced = policy.prefill_attention(layer, q, k, v, meta, causal, scale)
+        if replaced is not None:
+            return replaced
     return backends.varlen(q, k, v, meta, causal=causal, scale=scale)

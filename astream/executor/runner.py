@@ -21,7 +21,7 @@ from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.decode_tables import DecodeTables
 from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
-from astream.executor.offload_attention import OffloadAttention, sparse_layers, whole_prefill_loads
+from astream.executor.offload_attention import OffloadAttention, plan_offloaded_step, whole_prefill_loads
 from astream.executor.offload_graphs import OffloadDecodeGraphs
 from astream.executor.offload_plan import HostOffloadPlan, OffloadStepPlan, TailSlots, plan_offload
 from astream.executor.paged_attention import PagedAttention
@@ -31,7 +31,7 @@ from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.decoder import Decoder
 from astream.ops.backends import AttentionBackends
-from astream.policies import PolicyRuntime
+from astream.policies import PolicyRuntime, StepShape
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 
@@ -122,11 +122,10 @@ class ModelRunner:
                                         self.eos_ids)
         plan = host_plan = None
         if self.offload is not None:
-            layers = range(self.decoder.config.num_layers)
+            traits = self.policy.traits
             host_plan = plan_offload(
                 batch, self.block_size, self.offload.slot_blocks, self.tails,
-                sparse_decode=self.policy.may_select_decode(),
-                whole_prefill=tuple(self.policy.replaces_prefill(layer) for layer in layers))
+                sparse_decode=bool(traits.decode_layers), whole_prefill=traits.prefill_layers)
             plan = host_plan.send(device)
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
                             plan, HostStep(host, host_plan) if self.followers is not None else None)
@@ -206,19 +205,22 @@ class ModelRunner:
         return StepOutput(step.batch, step.sampled, token_ids, host_ids, ready, offloaded, logprobs)
 
     def _forward(self, inputs: StepInputs) -> Generator[Event, None, torch.Tensor]:
-        attend = PagedAttention(self.cache, inputs.attn, self.backends, self.policy, self.scale)
+        attn = inputs.attn
+        step = self.policy.plan_step(StepShape(inputs.num_tokens - attn.num_prefill_tokens,
+                                               attn.decode_max_context))
+        attend = PagedAttention(self.cache, attn, self.backends, self.policy, step, self.scale)
         return (yield from self._layers(inputs, attend))
 
     def _offloaded_forward(self, inputs: StepInputs, plan: OffloadStepPlan
                            ) -> Generator[Event, None, torch.Tensor]:
         engine, layers = self.offload, self.decoder.config.num_layers
-        sparse = sparse_layers(plan, self.policy, layers)
+        step = plan_offloaded_step(plan, self.policy)
         loads = engine.loads([[] if layer in engine.device_layers else
-                              [job.runs for job in plan.layer_jobs(layer, sparse[layer])]
+                              [job.runs for job in plan.layer_jobs(layer, layer in step.select_layers)]
                               for layer in range(layers)])
         on_device = None if engine.on_device is None else PagedAttention(
-            engine.on_device, inputs.attn, self.backends, self.policy, self.scale)
-        attend = OffloadAttention(engine, plan, loads, sparse, inputs.attn.slot_mapping,
+            engine.on_device, inputs.attn, self.backends, self.policy, step, self.scale)
+        attend = OffloadAttention(engine, plan, loads, step, inputs.attn.slot_mapping,
                                   self.backends, self.policy, self.scale, on_device,
                                   whole_prefill_loads(engine, plan, layers))
         return (yield from self._layers(inputs, attend))

@@ -20,8 +20,8 @@ captured decode step, `send_tails` and `wait_offloads` do its ordering from outs
 the ring, iterated layer by layer: each slot is acquired when its copy lands, released
 when the caller is done with it, and the next load starts; `load_slot` is one such load,
 for rings driven from outside), `gather_pages` (chosen
-pages of a layer's host KV, read in place by the device; `gather_reused_pages` keeps them on
-the device between steps and reads only new ones), `context_loads` (whole prefixes, for a sparse prefill policy, a layer ahead),
+pages of a layer's host KV, read in place by the device, into new buffers or into given
+pages of a caller's), `context_loads` (whole prefixes, for a sparse prefill policy, a layer ahead),
 `pending_offloads`, and `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
 
@@ -42,11 +42,10 @@ import torch
 
 from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.kv_format import KVFormat, KVScales
-from astream.kvcache.page_reuse import PageReuse, plan_reuse_
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.models.config import ModelConfig
 from astream.ops.kv_write import store_head_major
-from astream.ops.quest import gather_pages
+from astream.ops.pages import gather_pages
 from astream.runtime.device import DeviceRuntime
 from astream.runtime.events import Event
 from astream.runtime.pinned import PinnedHostTensor
@@ -108,7 +107,6 @@ class OffloadEngine:
     staging_free: list[Event | None] = field(default_factory=lambda: [None, None])
     bytes_loaded: int = 0
     bytes_offloaded: int = 0
-    reuse: PageReuse | None = None               # decode rows' selected pages kept on the device
 
     @classmethod
     def allocate(cls, model: ModelConfig, host_blocks: int, block_size: int, num_slots: int,
@@ -131,8 +129,7 @@ class OffloadEngine:
                                                  fmt, device) if device_layers else None
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
                    buffers(max_seqs + 1, layers), fmt, pool, on_device, frozenset(device_layers),
-                   h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers,
-                   reuse=PageReuse(max_seqs, layers))
+                   h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers)
 
     @property
     def slot_blocks(self) -> int:
@@ -224,39 +221,22 @@ class OffloadEngine:
         ring.prefetch()
         return ring
 
-    def gather_pages(self, layer: int, page_src: torch.Tensor, counts: torch.Tensor,
-                     page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pages of the layer's host KV (page_src [B, KVH, P] physical page ids, the first
-        counts [B, KVH] of each row real) read in place by a device kernel, into dense
-        [B, KVH, P * page_size, head_dim] buffers on the compute stream."""
+    def gather_pages(self, layer: int, page_ids: torch.Tensor, counts: torch.Tensor, page_size: int,
+                     into: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     dst_pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pages of the layer's host KV (page_ids [B, KVH, P] physical page ids, the first
+        counts [B, KVH] of each row real) read in place by a device kernel, on the compute
+        stream, into dense k, v [B, KVH, P * page_size, head_dim]: new buffers, or `into`,
+        where with dst_pages [B, KVH, P] entry p fills page dst_pages[b, h, p] (-1: not read)."""
         rt = self.runtime
         rt.wait(self.offloaded[layer])          # no page is read while it is being written
-        batch, kv_heads, pages = page_src.shape
-        shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
-        dk = torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device)
-        dv = torch.empty_like(dk)
-        gather_pages(self.host_k[layer], self.host_v[layer], page_src, dk, dv, counts)
-        return dk, dv
-
-    def gather_reused_pages(self, layer: int, page_src: torch.Tensor, counts: torch.Tensor,
-                            page_size: int, owners: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """`gather_pages` through the layer's page buffers (kvcache.page_reuse): only pages a
-        row's slots do not hold are read from the host. (k, v [B, KVH, P * page_size, D], the
-        slot of each chosen page [B, KVH, P] int32), or None where there are no buffers (then
-        call `gather_pages`). `owners` [B] int64: each row's sequence's `kv_epoch`."""
-        rows, kv_heads, width = page_src.shape
-        host = self.host_k[layer]
-        found = None if self.reuse is None or rows > self.reuse.rows else self.reuse.layer(
-            layer, kv_heads, width, page_size, host.shape[-1], host.dtype, self.runtime.device)
-        if found is None:
-            return None
-        k, v, held, owner = found
-        self.runtime.wait(self.offloaded[layer])          # no page is read while it is being written
-        page_list, load_to = plan_reuse_(held[:rows], owner[:rows], page_src, counts, owners,
-                                         self.reuse.loaded[layer:layer + 1])
-        gather_pages(host, self.host_v[layer], page_src, k[:rows], v[:rows], counts, load_to)
-        return k[:rows], v[:rows], page_list
+        if into is None:
+            batch, kv_heads, pages = page_ids.shape
+            shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
+            into = (torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device),
+                    torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device))
+        gather_pages(self.host_k[layer], self.host_v[layer], page_ids, *into, counts, dst_pages)
+        return into
 
     def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:
         """One step's whole prefixes (host block runs -> packed key rows) for `layers`, in

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from astream.ops import attention_ref, cudnn_attention, flash, quest
+from astream.ops import attention_ref, cudnn_attention, flash, pages
 from astream.ops.attention import (
     HALF_DTYPES, merge_into_rows_ref, select_backend, select_decode_backend,
 )
@@ -109,14 +109,14 @@ class AttentionBackends:
                               page_indices: Tensor, page_counts: Tensor, context_lens: Tensor, *,
                               page_size: int, scale: float,
                               kv_scales: KVScalesArg = None) -> tuple[Tensor, Tensor]:
-        """Decode over selected pages per KV head (see ops.quest.paged_decode_selected_ref)."""
+        """Decode over selected pages per KV head (see ops.pages.paged_decode_selected_ref)."""
         args = (q, k_cache, v_cache, block_tables, page_indices, page_counts, context_lens)
         kwargs = dict(page_size=page_size, scale=scale, kv_scales=kv_scales)
         if self.decode_name == "triton":
-            from astream.ops import triton_quest
+            from astream.ops import triton_pages
 
-            return triton_quest.paged_decode_selected_triton(*args, **kwargs)
-        return quest.paged_decode_selected_ref(*args, **kwargs)
+            return triton_pages.paged_decode_selected_triton(*args, **kwargs)
+        return pages.paged_decode_selected_ref(*args, **kwargs)
 
     def merge_into_rows(self, out: Tensor, lse: Tensor, rows: Tensor, part_out: Tensor,
                         part_lse: Tensor) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from astream.ops.pages import physical_pages
 from astream.ops.quest import DEFAULT_PAGE_SIZE, GQA_REDUCTIONS, pages_per_block, select_quest_backend
 
 
@@ -69,12 +70,7 @@ def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables:
         counters[1] += counts.numel()
     if append_newest:
         indices, counts = with_newest_block(indices, counts, context_lens, block_size, page_size)
-    phys = None
-    if physical:
-        ppb = pages_per_block(block_size, page_size)
-        batch, kv_heads, width = indices.shape
-        blocks = block_tables.long().gather(1, (indices.long() // ppb).view(batch, -1))
-        phys = blocks.view(batch, kv_heads, width) * ppb + indices.long() % ppb
+    phys = physical_pages(indices, block_tables, block_size, page_size) if physical else None
     return Selection(indices, counts, phys)
 
 

@@ -1,5 +1,5 @@
 """Triton kernel of Quest's page reuse plan (CUDA; also run under TRITON_INTERPRET=1). The
-torch reference and the contract: astream.kvcache.page_reuse.plan_reuse.
+torch reference and the contract: astream.policies.quest.page_reuse.plan_reuse.
 
 Grid (row, KV head): one program owns a row's slots for one KV head, so it reads what they
 hold once, keeps it in registers and writes it back once; no other program touches them.
@@ -74,7 +74,7 @@ def _plan_reuse_kernel(
 
 def plan_reuse_triton(held: Tensor, owner: Tensor, want: Tensor, counts: Tensor, owners: Tensor,
                       loaded: Tensor) -> tuple[Tensor, Tensor]:
-    """See astream.kvcache.page_reuse.plan_reuse_: updates held [R, KVH, C] and owner [R, KVH]
+    """See astream.policies.quest.page_reuse.plan_reuse_: updates held [R, KVH, C] and owner [R, KVH]
     in place and adds the loads to loaded [1]; returns (page_list, load_to) [R, KVH, P]."""
     rows, kv_heads, width = want.shape
     slots = held.shape[-1]

@@ -23,7 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
-from astream.ops.triton_quest import group_tile
+from astream.ops.triton_pages import group_tile
 
 SCORE_BLOCK_P = 64      # pages per score program
 SELECT_TAIL = 1024      # scores per step of the select kernel's passes past its register head

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
+from astream.policies.base import (
+    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy, StepPlan,
+    StepShape,
+)
 from astream.policies.combined import CombinedPolicy
 from astream.policies.flexprefill import FlexPrefillPolicy
 from astream.policies.full import FullPolicy
@@ -101,7 +104,7 @@ def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None)
         raise ValueError(f"sparse_policy {spec!r}: {exc}") from None
 
 
-__all__ = ["CombinedPolicy", "DecodeQuery", "FlexPrefillPolicy", "FullPolicy", "KVLayout",
-           "MInferencePolicy", "POLICIES",
-           "PageSelection", "PolicyRuntime", "QuestPolicy", "QuestRuntime", "SparsePolicy",
-           "WindowPolicy", "XAttentionPolicy", "check_policy_mode", "make_policy"]
+__all__ = ["CombinedPolicy", "DecodeQuery", "FlexPrefillPolicy", "FullPolicy", "HostPages", "KVLayout",
+           "MInferencePolicy", "POLICIES", "PageSelection", "PolicyRuntime", "PolicyTraits",
+           "QuestPolicy", "QuestRuntime", "SparsePolicy", "StepPlan", "StepShape", "WindowPolicy",
+           "XAttentionPolicy", "check_policy_mode", "make_policy"]

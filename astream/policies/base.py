@@ -1,31 +1,52 @@
-"""The sparse-attention policy seam.
+"""The sparse-attention policy seam: all a policy author reads (policies/window.py is a
+complete policy in one file).
 
-A policy is a small frozen description of a method and its parameters (`FullPolicy()`,
-`QuestPolicy(budget_tokens=2048)`). When an engine is built it is bound once to the
-model's attention shape and the KV cache it will read (`KVLayout`): `bind` returns a
-`PolicyRuntime`, which owns whatever device metadata the method keeps and which the
-executor's attention adapters call, on the resident path and with offload alike:
+Ten concepts:
 
-- `on_kv_written(layer, keys, slots)`: once per layer, the keys just stored (every new
-  token of the step, batched, as the cache holds them: `KVLayout.key_dtype`) and their
-  flat cache slots (host pool slots with offload), if `watches_keys()`;
-- `selects_decode(layer, max_context)` (host ints only) and `select_decode(layer, query)`:
-  which pages each sequence's decode query reads, per KV head, as device tensors;
-- `prefill_attention(layer, q, k, v, meta, causal, scale)`: may replace attention over one prefill
-  part (a chunk over itself, or over a slice of its prefix) and return (out, lse).
-
-No hook may read a device value on the host (`.item()`, `.tolist()`, synchronize): they
-run once per layer inside steps, and on the resident path inside CUDA graphs.
+1. `SparsePolicy`: a small frozen description of a method and its parameters
+   (`QuestPolicy(budget_tokens=2048)`), with its `name` and the `phase` it makes sparse.
+   Before the cache is sized, the engine asks it for memory: `kv_overhead`,
+   `decode_buffer_tokens`, `offload_device_layers`.
+2. `KVLayout`: what the policy is bound to once, when an engine is built: the model's
+   attention shape and the KV cache it reads (the host pool with offload).
+3. `PolicyRuntime`: what `bind(layout)` returns. It owns the method's device metadata and
+   has two halves, as a KV connector splits scheduler side from worker side: a host half
+   the executor calls once per step (`plan_step`), and a device half it calls once per
+   layer inside the step, and inside its CUDA graph (`on_kv_written`, `select_decode`,
+   `load_pages`, `prefill_attention`). No hook may read a device value on the host
+   (`.item()`, `.tolist()`, a synchronize); every hook a runtime does not override is
+   Full's.
+4. `PolicyTraits`: what the runtime does, declared once as data at bind (`traits`). The
+   executor reads it when it is built and lays the step out by it; it never asks again.
+5. `plan_step(StepShape) -> StepPlan` (host half, host ints only): which layers'
+   decode rows read selected pages this step, and whether those pages go through the
+   runtime's own buffers. By default both follow from the traits.
+6. `on_kv_written(layer, keys, slots)`: the keys just stored in one layer, every new token
+   of the step batched, as the cache holds them (`KVLayout.key_dtype`), and their flat
+   cache slots (host pool slots with offload). Called only if `traits.watches_keys`.
+7. `select_decode(layer, DecodeQuery) -> PageSelection`: per sequence and KV head, the
+   pages a decode query reads. Called on the layers `plan_step` chose.
+8. `load_pages(layer, PageSelection, HostPages, owners)`: with offload, how the chosen
+   pages reach the device. Called only if `traits.loads_pages`; returning None (or not
+   overriding it) lets the engine read them from the host pool itself.
+9. `prefill_attention(layer, q, k, v, meta, causal, scale)`: attention over one prefill
+   part (a chunk over itself, or over a slice of its prefix) as (out, lse), on the layers
+   `traits.prefill_layers` names; None there is the engine's kernel.
+10. `stats()`: what the method did, merged into the engine's `stats()` (it may read device
+    counters: it is called outside steps).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from astream.ops.varlen import VarlenMeta
+
+NO_LAYERS: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +65,37 @@ class KVLayout:
     # What the cache stores keys as: the model's dtype, or an fp8 type holding value / scale
     # with one positive scale per (layer, KV head).
     key_dtype: torch.dtype
+    max_num_seqs: int                # decode rows one step may hold (buffers kept per row)
+
+
+@dataclass(slots=True, frozen=True)
+class PolicyTraits:
+    """What a bound runtime does, declared once; the executor lays every step out by it."""
+
+    watches_keys: bool = False                     # call on_kv_written with each layer's new keys
+    decode_layers: frozenset[int] = NO_LAYERS      # layers whose decode may read selected pages
+    select_above: int = 0            # ... once a step's longest decode context exceeds this (tokens)
+    loads_pages: bool = False                      # with offload, call load_pages for the pages
+    prefill_layers: frozenset[int] = NO_LAYERS     # layers whose prefill attention it replaces
+    # With offload, layers whose KV stays on the device too: `offload_device_layers`, which
+    # sized the memory before bind (the engine raises ValueError where they differ).
+    device_layers: frozenset[int] = NO_LAYERS
+
+
+@dataclass(slots=True, frozen=True)
+class StepShape:
+    """What the host knows of a step before it runs."""
+
+    decode_rows: int
+    max_context: int                 # a bound on the tokens a decode row may select from
+
+
+@dataclass(slots=True, frozen=True)
+class StepPlan:
+    """What one step needs from the policy, the same for every layer."""
+
+    select_layers: frozenset[int] = NO_LAYERS      # layers whose decode rows call select_decode
+    load_pages: bool = False                       # those pages go through load_pages
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,7 +108,7 @@ class DecodeQuery:
     max_context: int                 # a host bound on context_lens (fixes the shapes)
     # The executor's asks: read the block after context_lens whole too (the unfinished
     # newest block; context_lens is then a multiple of the block size), and give each
-    # entry's physical page id (to gather pages from a host pool).
+    # entry's physical page id (to gather pages from a host pool: ops.pages.physical_pages).
     append_newest: bool = False
     physical: bool = False
 
@@ -71,38 +123,44 @@ class PageSelection:
     physical: Tensor | None = None   # [B, KVH, P] int64 block * (block_size // page_size) + j
 
 
+class HostPages(Protocol):
+    """The host pool's page reader that `load_pages` gets (kvcache.OffloadEngine)."""
+
+    def gather_pages(self, layer: int, page_ids: Tensor, counts: Tensor, page_size: int,
+                     into: tuple[Tensor, Tensor] | None = None,
+                     dst_pages: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The pages (physical ids [B, KVH, P], the first counts [B, KVH] of each row real)
+        of one layer's host KV as k, v [B, KVH, P * page_size, head_dim], new buffers or
+        `into`; with dst_pages [B, KVH, P], entry p fills page dst_pages[b, h, p] of `into`
+        (-1: not read)."""
+
+
+@dataclass(slots=True)
 class PolicyRuntime:
-    """A policy bound to one engine. This base is full attention: every hook is a no-op."""
+    """A policy bound to one engine. This base is full attention: nothing to declare, and
+    every hook is a no-op. A subclass is a slots dataclass too, given its traits by name."""
+
+    traits: PolicyTraits = field(default=PolicyTraits(), kw_only=True)
+
+    def plan_step(self, shape: StepShape) -> StepPlan:
+        """Host half, once per step (host ints only)."""
+        traits = self.traits
+        if not shape.decode_rows or shape.max_context <= traits.select_above:
+            return FULL_STEP
+        return StepPlan(traits.decode_layers, traits.loads_pages)
 
     def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
         return None
 
-    def watches_keys(self) -> bool:
-        """Whether `on_kv_written` uses the keys (host only): the executor then hands it the
-        keys as stored (fp8 ones not dequantized). By default: whether the runtime
-        overrides `on_kv_written`."""
-        return type(self).on_kv_written is not PolicyRuntime.on_kv_written
-
-    def selects_decode(self, layer: int, max_context: int) -> bool:
-        return False
-
-    def reuses_decode_pages(self) -> bool:
-        """Whether offloaded decode keeps the selected pages on the device from step to step
-        and loads only new ones (kvcache.page_reuse), host only."""
-        return False
-
-    def may_select_decode(self) -> bool:
-        """Whether some layer may ever select decode pages (host only): an offloaded step then
-        also packs the ring jobs of prefill rows alone."""
-        return False
-
-    def replaces_prefill(self, layer: int) -> bool:
-        """Whether `prefill_attention` replaces a chunk's attention on this layer (host
-        only). With offload such a layer gets each chunk's whole context at once."""
-        return False
-
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
-        raise NotImplementedError("only called when selects_decode is True")
+        raise NotImplementedError("only called on the layers plan_step selects")
+
+    def load_pages(self, layer: int, chosen: PageSelection, pool: HostPages,
+                   owners: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(k, v [B, KVH, W * page_size, D], the page of those buffers each chosen page
+        sits in [B, KVH, P] int32), or None for the engine's gather. owners [B] int64: each
+        row's sequence's `kv_epoch` (renewed whenever the sequence's blocks start over)."""
+        return None
 
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
                           causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:
@@ -112,6 +170,9 @@ class PolicyRuntime:
 
     def stats(self) -> dict:
         return {}
+
+
+FULL_STEP = StepPlan()
 
 
 def check_int(owner: str, key: str, value: object, low: int) -> None:
@@ -147,5 +208,6 @@ class SparsePolicy:
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         """Layers whose KV stays on the device too when the cache is offloaded: those that
         read their whole context every decode step, while other layers read only what the
-        policy selects (loading them through the ring would dominate such a step)."""
+        policy selects (loading them through the ring would dominate such a step). Its
+        runtime declares the same layers (`PolicyTraits.device_layers`)."""
         return ()

@@ -1,9 +1,10 @@
 """One policy for prefill and another for decode in one engine, e.g. XAttention + Quest.
 
-Each part keeps its own runtime and metadata; the combination routes every hook to the
-part whose phase it is: prefill overrides to the prefill policy, decode selection to the
-decode policy, and written keys to both (Quest keeps its page bounds current during a
-sparse prefill).
+Each part keeps its own runtime and metadata; the combination declares the prefill part's
+prefill layers and the decode part's decode traits, and routes every hook to the part
+whose phase it is: prefill overrides to the prefill policy, step plans, decode selection
+and page loads to the decode policy, and written keys to both (Quest keeps its page
+bounds current during a sparse prefill).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from astream.ops.varlen import VarlenMeta
-from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy
+from astream.policies.base import (
+    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy, StepPlan,
+    StepShape,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,7 +49,13 @@ class CombinedPolicy(SparsePolicy):
         return self.decode.decode_buffer_tokens()
 
     def bind(self, layout: KVLayout) -> "CombinedRuntime":
-        return CombinedRuntime(self.prefill.bind(layout), self.decode.bind(layout))
+        prefill, decode = self.prefill.bind(layout), self.decode.bind(layout)
+        traits = PolicyTraits(
+            watches_keys=prefill.traits.watches_keys or decode.traits.watches_keys,
+            decode_layers=decode.traits.decode_layers, select_above=decode.traits.select_above,
+            loads_pages=decode.traits.loads_pages, prefill_layers=prefill.traits.prefill_layers,
+            device_layers=decode.traits.device_layers)
+        return CombinedRuntime(prefill, decode, traits=traits)
 
 
 @dataclass(slots=True)
@@ -53,27 +63,19 @@ class CombinedRuntime(PolicyRuntime):
     prefill: PolicyRuntime
     decode: PolicyRuntime
 
+    def plan_step(self, shape: StepShape) -> StepPlan:
+        return self.decode.plan_step(shape)
+
     def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
         self.prefill.on_kv_written(layer, keys, slots)
         self.decode.on_kv_written(layer, keys, slots)
 
-    def watches_keys(self) -> bool:
-        return self.prefill.watches_keys() or self.decode.watches_keys()
-
-    def selects_decode(self, layer: int, max_context: int) -> bool:
-        return self.decode.selects_decode(layer, max_context)
-
-    def may_select_decode(self) -> bool:
-        return self.decode.may_select_decode()
-
-    def reuses_decode_pages(self) -> bool:
-        return self.decode.reuses_decode_pages()
-
-    def replaces_prefill(self, layer: int) -> bool:
-        return self.prefill.replaces_prefill(layer)
-
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
         return self.decode.select_decode(layer, query)
+
+    def load_pages(self, layer: int, chosen: PageSelection, pool: HostPages,
+                   owners: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        return self.decode.load_pages(layer, chosen, pool, owners)
 
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
                           causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:
@@ -81,4 +83,3 @@ class CombinedRuntime(PolicyRuntime):
 
     def stats(self) -> dict:
         return {**self.prefill.stats(), **self.decode.stats()}
-

@@ -40,7 +40,9 @@ from torch import Tensor
 from astream.ops import flexprefill as ops
 from astream.ops.xattention import block_sparse_attention, visible_block_count, visible_mask
 from astream.policies.base import KVLayout, SparsePolicy, check_int
-from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
+from astream.policies.sparse_prefill import (
+    SequencePrefillRuntime, prefill_counters, prefill_traits,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,7 +76,8 @@ class FlexPrefillPolicy(SparsePolicy):
 
     def bind(self, layout: KVLayout) -> "FlexPrefillRuntime":
         heads = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
-        return FlexPrefillRuntime(counters=prefill_counters(layout), policy=self, heads=heads)
+        return FlexPrefillRuntime(counters=prefill_counters(layout), traits=prefill_traits(layout),
+                                  policy=self, heads=heads)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,9 @@ from torch import Tensor
 
 from astream.ops import minference as ops
 from astream.policies.base import KVLayout, SparsePolicy, check_int
-from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
+from astream.policies.sparse_prefill import (
+    SequencePrefillRuntime, prefill_counters, prefill_traits,
+)
 
 REFERENCE_CONTEXT = 131072       # the context the default sizes are set for
 
@@ -63,7 +65,8 @@ class MInferencePolicy(SparsePolicy):
         return min(max(vertical, self.sink, 1), n_k), min(max(slash, self.local, 1), n_k)
 
     def bind(self, layout: KVLayout) -> "MInferenceRuntime":
-        return MInferenceRuntime(counters=prefill_counters(layout), policy=self)
+        return MInferenceRuntime(counters=prefill_counters(layout), traits=prefill_traits(layout),
+                                 policy=self)
 
 
 @dataclass(slots=True)

@@ -17,12 +17,17 @@ from torch import Tensor
 
 from astream.ops.attention import varlen_attention
 from astream.ops.varlen import VarlenMeta
-from astream.policies.base import KVLayout, PolicyRuntime
+from astream.policies.base import KVLayout, PolicyRuntime, PolicyTraits
 
 
 def prefill_counters(layout: KVLayout) -> Tensor:
     """[layers, 2] device counters: what prefill read, what it could see."""
     return torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
+
+
+def prefill_traits(layout: KVLayout) -> PolicyTraits:
+    """Every layer's prefill attention replaced; decode and written keys left alone."""
+    return PolicyTraits(prefill_layers=frozenset(range(layout.num_layers)))
 
 
 @dataclass(slots=True)
@@ -37,9 +42,6 @@ class SequencePrefillRuntime(PolicyRuntime):
                         scale: float) -> tuple[Tensor, Tensor, Tensor, int]:
         """(out, lse, read: a device count, visible: a host count) for one chunk."""
         raise NotImplementedError
-
-    def replaces_prefill(self, layer: int) -> bool:
-        return True
 
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
                           causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:

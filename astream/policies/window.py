@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from astream.ops.quest_select import pages_per_block, with_newest_block
-from astream.policies.base import DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy, check_int
+from astream.ops.pages import pages_per_block, physical_pages
+from astream.ops.quest_select import with_newest_block
+from astream.policies.base import (
+    DecodeQuery, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy, check_int,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,19 +49,16 @@ class WindowPolicy(SparsePolicy):
 
     def bind(self, layout: KVLayout) -> "WindowRuntime":
         pages_per_block(layout.block_size, self.page_size)            # raises if they do not fit
-        return WindowRuntime(self, layout)
+        # Every layer selects once a context outgrows the budget; no key is watched.
+        traits = PolicyTraits(decode_layers=frozenset(range(layout.num_layers)),
+                              select_above=self.budget_tokens)
+        return WindowRuntime(self, layout, traits=traits)
 
 
 @dataclass(slots=True)
 class WindowRuntime(PolicyRuntime):
     policy: WindowPolicy
     layout: KVLayout
-
-    def may_select_decode(self) -> bool:
-        return True
-
-    def selects_decode(self, layer: int, max_context: int) -> bool:
-        return max_context > self.policy.budget_tokens
 
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
         policy, batch = self.policy, query.context_lens.shape[0]
@@ -78,10 +78,6 @@ class WindowRuntime(PolicyRuntime):
         if query.append_newest:
             indices, counts = with_newest_block(indices, counts, query.context_lens,
                                                 self.layout.block_size, policy.page_size)
-        physical = None
-        if query.physical:
-            per_block = pages_per_block(self.layout.block_size, policy.page_size)
-            logical = indices.long()
-            blocks = query.block_tables.long().gather(1, (logical // per_block).view(batch, -1))
-            physical = blocks.view(logical.shape) * per_block + logical % per_block
+        physical = physical_pages(indices, query.block_tables, self.layout.block_size,
+                                  policy.page_size) if query.physical else None
         return PageSelection(indices, counts, policy.page_size, physical)

@@ -19,7 +19,9 @@ from torch import Tensor
 
 from astream.ops import xattention as ops
 from astream.policies.base import KVLayout, SparsePolicy, check_int
-from astream.policies.sparse_prefill import SequencePrefillRuntime, prefill_counters
+from astream.policies.sparse_prefill import (
+    SequencePrefillRuntime, prefill_counters, prefill_traits,
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,7 +49,8 @@ class XAttentionPolicy(SparsePolicy):
             raise ValueError(f"XAttentionPolicy: {exc}") from None
 
     def bind(self, layout: KVLayout) -> "XAttentionRuntime":
-        return XAttentionRuntime(counters=prefill_counters(layout), policy=self)
+        return XAttentionRuntime(counters=prefill_counters(layout), traits=prefill_traits(layout),
+                                 policy=self)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ with the authors' code").
 
 With offload, `reuse_pages=True` keeps each layer's selected pages on the device from one
 decode step to the next and loads over PCIe only those a row did not hold
-(kvcache.page_reuse). Attention reads the same pages either way. It costs device memory,
+(policies.quest.page_reuse, through `load_pages`). Attention reads the same pages either way. It costs device memory,
 counted when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV
 heads x budget_tokens x head_dim.
 """
@@ -31,8 +31,10 @@ from torch import Tensor
 from astream.ops import quest as ops
 from astream.ops.quest_select import select_decode_pages
 from astream.policies.base import (
-    DecodeQuery, KVLayout, PageSelection, PolicyRuntime, SparsePolicy, check_int,
+    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy,
+    check_int,
 )
+from astream.policies.quest.page_reuse import PageReuse, plan_reuse_
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,7 +88,15 @@ class QuestPolicy(SparsePolicy):
                                            page_size=self.page_size)
                   if layer >= self.dense_layers else None for layer in range(layout.num_layers)]
         counters = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
-        return QuestRuntime(self, layout, bounds, counters)
+        sparse = frozenset(layer for layer, found in enumerate(bounds) if found is not None)
+        reuse = layout.offload and self.reuse_pages
+        traits = PolicyTraits(
+            watches_keys=bool(sparse), decode_layers=sparse, select_above=self.budget_tokens,
+            loads_pages=reuse, device_layers=frozenset(
+                self.offload_device_layers(layout.num_layers) if layout.offload else ()))
+        return QuestRuntime(self, layout, bounds, counters,
+                            PageReuse(layout.max_num_seqs, layout.num_layers) if reuse else None,
+                            traits=traits)
 
 
 @dataclass(slots=True)
@@ -95,23 +105,12 @@ class QuestRuntime(PolicyRuntime):
     layout: KVLayout
     bounds: list[tuple[Tensor, Tensor] | None]     # per layer (kmin, kmax), None on dense layers
     counters: Tensor                               # [layers, 2]: pages read, (sequence, head) rows
+    reuse: PageReuse | None = None                 # reuse_pages with offload: the rows' page buffers
 
     def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
         if self.bounds[layer] is not None:
             kmin, kmax = self.bounds[layer]
             ops.update_page_bounds(kmin, kmax, keys, slots, self.policy.page_size)
-
-    def watches_keys(self) -> bool:
-        return self.may_select_decode()
-
-    def reuses_decode_pages(self) -> bool:
-        return self.policy.reuse_pages
-
-    def may_select_decode(self) -> bool:
-        return any(bounds is not None for bounds in self.bounds)
-
-    def selects_decode(self, layer: int, max_context: int) -> bool:
-        return self.bounds[layer] is not None and max_context > self.policy.budget_tokens
 
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
         policy = self.policy
@@ -125,8 +124,29 @@ class QuestRuntime(PolicyRuntime):
             physical=query.physical, counters=self.counters[layer])
         return PageSelection(chosen.indices, chosen.counts, policy.page_size, chosen.physical)
 
+    def load_pages(self, layer: int, chosen: PageSelection, pool: HostPages,
+                   owners: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The chosen pages through the layer's page buffers: only pages a row's slots do not
+        hold are read from the host pool (policies.quest.page_reuse)."""
+        rows, kv_heads, width = chosen.physical.shape
+        layout = self.layout
+        found = None if self.reuse is None or rows > self.reuse.rows else self.reuse.layer(
+            layer, kv_heads, width, chosen.page_size, layout.head_dim, layout.key_dtype,
+            layout.device)
+        if found is None:
+            return None
+        k, v, held, owner = found
+        page_list, load_to = plan_reuse_(held[:rows], owner[:rows], chosen.physical, chosen.counts,
+                                         owners, self.reuse.loaded[layer:layer + 1])
+        pool.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size,
+                          into=(k[:rows], v[:rows]), dst_pages=load_to)
+        return k[:rows], v[:rows], page_list
+
     def stats(self) -> dict:
-        """Pages read per (sequence, KV head) selection, by layer (reads the device counters)."""
+        """Per layer: pages read per (sequence, KV head) selection, and pages `reuse_pages`
+        loaded into the rows' buffers (reads the device counters)."""
         pages, rows = self.counters.cpu().unbind(1)
-        return {"quest_pages_read": pages.tolist(), "quest_selections": rows.tolist()}
+        loaded = [0] * len(self.bounds) if self.reuse is None else self.reuse.pages_loaded()
+        return {"quest_pages_read": pages.tolist(), "quest_selections": rows.tolist(),
+                "quest_pages_loaded": loaded}
 

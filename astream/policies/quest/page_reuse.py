@@ -12,7 +12,7 @@ on the host, so it runs inside the decode graph:
   life, so a held page still has the host's bytes; any other row starts empty;
 - a wanted page already in a slot is a hit: attention reads it where it is;
 - each missed page takes, in order, a slot holding no wanted page, and is loaded from the
-  host pool into it (`OffloadEngine.gather_pages` with destination pages).
+  host pool into it (`HostPages.gather_pages` with destination pages).
 
 `plan_reuse` is the torch reference; `plan_reuse_` carries a plan out in place, on CUDA in
 one Triton kernel a layer (astream.ops.triton_page_reuse).

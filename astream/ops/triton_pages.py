@@ -1,4 +1,4 @@
-"""Triton kernels of the Quest ops (CUDA; also run under TRITON_INTERPRET=1).
+"""Triton kernels of the page ops (CUDA; also run under TRITON_INTERPRET=1).
 
 - selected-pages decode: the split-KV decode of triton_decode over a (sequence, KV
   head)'s selected pages instead of its whole context. Grid (batch, kv_head, split):
@@ -7,7 +7,7 @@
 - page gather: grid (page, kv_head, batch); copies one K and one V page per program
   from a head-major pool, which on CUDA may be pinned host memory read in place.
 
-Torch references and the contracts live in astream.ops.quest.
+Torch references and the contracts live in astream.ops.pages.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                  num_splits: int | None = None, use_dot: bool | None = None,
                                  kv_scales: tuple[Tensor, Tensor] | None = None
                                  ) -> tuple[Tensor, Tensor]:
-    """See astream.ops.quest.paged_decode_selected_ref. page_size must be a power of two
+    """See astream.ops.pages.paged_decode_selected_ref. page_size must be a power of two
     dividing block_size; num_splits / use_dot override the heuristics (tests, benchmarks)."""
     _check_inputs(q, k_cache, v_cache)
     if page_size & (page_size - 1) or k_cache.shape[1] % page_size:
@@ -181,7 +181,7 @@ def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
                         dst_v: Tensor, counts: Tensor | None = None,
                         dst_pages: Tensor | None = None) -> None:
-    """See astream.ops.quest.gather_pages_ref. src may be pinned host memory (mapped into
+    """See astream.ops.pages.gather_pages_ref. src may be pinned host memory (mapped into
     the device's address space); every tensor needs a contiguous head_dim."""
     batch, kv_heads, n_sel = page_src.shape
     if n_sel == 0 or batch == 0:
