@@ -32,7 +32,8 @@ from astream.text.request_text import RequestText
 
 class RequestSink(Protocol):
     """Where one request's output goes. Called on the thread that drives the core, with the
-    request's record, which the sink reads and never writes (timing aside, see `stamp`)."""
+    request's record, which the sink reads and never writes (the engine's channel stamps
+    its delivery times: `first_token_at`, `last_token_at`)."""
 
     def token(self, request: "Request", token_id: int, text: str, finish_reason: str | None,
               error: str | None = None, choice: int = 0, logprob: TokenLogprob | None = None) -> bool:
@@ -83,17 +84,13 @@ class Request:
     forks: list[Sequence] = field(default_factory=list)     # choices waiting for the prompt's KV
     last_ended: int = -1                                    # the choice that ended last
     submitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
+    first_token_at: float | None = None                     # delivery times, stamped by the
+    last_token_at: float | None = None                      # engine's channel (stages.channel)
 
     @property
     def seq(self) -> Sequence | None:
         """The first choice's sequence, once admitted: the one that computes the prompt."""
         return self.choices[0].seq
-
-    @property
-    def text(self) -> RequestText:
-        return self.choices[0].text
 
     @property
     def done(self) -> bool:
@@ -118,15 +115,6 @@ class Request:
     def paused(self) -> bool:
         """A consumer that fell behind made the scheduler hold back some choice (read-only here)."""
         return any(choice.seq is not None and choice.seq.paused for choice in self.choices)
-
-    def stamp(self, now: float) -> float:
-        """A real token was delivered at `now` (its channel calls this): the time since the
-        previous one, or since the request was submitted."""
-        last = self.last_token_at
-        if last is None:
-            self.first_token_at, last = now, self.submitted_at
-        self.last_token_at = now
-        return now - last
 
     def timing(self) -> dict:
         """Time to first token and mean time per later token, in milliseconds."""

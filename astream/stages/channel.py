@@ -41,11 +41,14 @@ class RequestChannel:
 
     def token(self, request: Request, token_id: int, text: str, finish_reason: str | None,
               error: str | None = None, choice: int = 0, logprob: TokenLogprob | None = None) -> bool:
-        if token_id >= 0:
-            first = request.first_token_at is None
-            gap = request.stamp(time.perf_counter())
+        if token_id >= 0:                    # a real token: stamp its delivery in the record
+            now, last = time.perf_counter(), request.last_token_at
+            first = last is None
+            if first:
+                request.first_token_at, last = now, request.submitted_at
+            request.last_token_at = now
             if self.metrics is not None:
-                self.metrics.token(gap, first)
+                self.metrics.token(now - last, first)
         item = stream_token(request.request_id, self.next_index, token_id, text, finish_reason,
                             error, choice, logprob)
         self.next_index += 1
