@@ -208,10 +208,10 @@ async def test_a_crashing_stage_stops_the_engine_cleanly(monkeypatch):
 def test_list_sink_numbers_tokens_in_order_around_progress():
     from astream.core.request import ListSink
 
-    sink = ListSink()
-    sink.token(5, "a", None)
-    sink.progress(10, 20)
-    sink.token(6, "b", None)
-    sink.token(7, "", "length")
+    sink, request = ListSink(), None                      # a list sink reads nothing of its request
+    sink.token(request, 5, "a", None)
+    sink.progress(request, 10, 20)
+    sink.token(request, 6, "b", None)
+    sink.token(request, 7, "", "length")
     assert [(t.index, t.token_id) for t in sink.tokens] == [(0, 5), (1, 6), (2, 7)]
-    assert sink.num_tokens == 3
+    assert sink.next_index == 3

@@ -54,6 +54,10 @@ async def test_same_greedy_text_as_the_engine_in_process(proc_server):
     async with Client(proc_server.url) as client:
         got = "".join([tok.text async for tok in client.stream(PROMPT, **GREEDY)])
     assert got == expected and got
+    engine = proc_server.engine
+    direct = [tok async for tok in engine.stream(PROMPT, SamplingParams(**GREEDY))]
+    assert "".join(tok.text for tok in direct) == expected and direct[-1].finish_reason == "length"
+    assert engine._tokenizer is None          # the parent loads it for the first logprobs only
     status, text = await _post(proc_server.port, "/v1/completions",
                                {"prompt": PROMPT, "temperature": 0, "max_tokens": 12, "n": 2,
                                 "logprobs": 2})
@@ -63,6 +67,7 @@ async def test_same_greedy_text_as_the_engine_in_process(proc_server):
     assert body["usage"]["completion_tokens"] == 24
     tokens = body["choices"][0]["logprobs"]["tokens"]       # named by the parent's tokenizer
     assert "".join(tokens) == expected
+    assert engine._tokenizer is not None
 
 
 async def test_context_checks_answer_400(proc_server):

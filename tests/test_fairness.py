@@ -72,7 +72,7 @@ def test_paused_sequences_park_when_others_wait_and_return_when_resumed():
     assert a in sched.parked and a.block_table == []
     sched.resume(a)
     assert a in sched.waiting and a not in sched.parked
-    sched.finish(c, "stop")
+    sched.finish(c)
     assert a in [item.seq for item in sched.schedule().items]
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -101,26 +103,35 @@ def test_columns_equal_the_row_by_row_definition(seed):
 
 
 def test_decode_tables_kept_between_steps_equal_tables_built_afresh():
-    """Tables grow by appending and are replaced on release (as the block manager does);
-    rows come and go and change order; every step's array is the plain padded one."""
-    rng = random.Random(7)
-    kept, live = DecodeTables(), [[rng.randrange(100)] for _ in range(6)]
+    """Tables grow by appending and are replaced on release, each life with an epoch of its
+    own (as the block manager does); rows come and go and change order; every step's array
+    is the plain padded one."""
+    rng, epochs = random.Random(7), itertools.count(1)
+
+    def fresh() -> Table:
+        return Table([rng.randrange(100) for _ in range(rng.randint(1, 9))], next(epochs))
+
+    kept, live = DecodeTables(), [fresh() for _ in range(6)]
     for _ in range(400):
-        for table in rng.sample(live, rng.randint(0, len(live))):
-            table.append(rng.randrange(100))
+        for owner in rng.sample(live, rng.randint(0, len(live))):
+            owner.block_table.append(rng.randrange(100))
         if rng.random() < 0.2:
-            live[rng.randrange(len(live))] = []                  # released, then given blocks anew
+            live[rng.randrange(len(live))] = fresh()             # released, then given blocks anew
         if rng.random() < 0.2 and len(live) > 1:
             live.pop(rng.randrange(len(live)))
         if rng.random() < 0.2:
-            live.insert(rng.randrange(len(live) + 1), [])
-        for table in live:
-            if not table:
-                table.extend(rng.randrange(100) for _ in range(rng.randint(1, 9)))
+            live.insert(rng.randrange(len(live) + 1), fresh())
         if rng.random() < 0.1:
             rng.shuffle(live)
-        width = max(map(len, live))
-        want = [table + [0] * (width - len(table)) for table in live]
+        width = max(len(owner.block_table) for owner in live)
+        want = [owner.block_table + [0] * (width - len(owner.block_table)) for owner in live]
         got = kept.build(live)
         assert got.dtype == np.int32 and got.tolist() == want
         assert DecodeTables().build(live).tolist() == want
+    assert len(kept.row_of) == len(live)                 # last step's rows only, by epoch
+
+
+@dataclass(slots=True)
+class Table:
+    block_table: list[int]
+    kv_epoch: int

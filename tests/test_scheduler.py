@@ -198,7 +198,7 @@ def test_preemption_frees_blocks_and_recompute_finishes_everything():
         fake_sample(sched, batch)
         for s in list(sched.running):
             if len(s.output_token_ids) >= 8:
-                sched.finish(s, "length")
+                sched.finish(s)
     assert all(s.status is SequenceStatus.FINISHED for s in seqs)
     assert all(len(s.output_token_ids) == 8 for s in seqs)
     assert sched.preemptions > 0
@@ -222,7 +222,7 @@ def test_finish_of_waiting_and_running_sequences_releases_blocks():
     sched.add(a)
     sched.add(b)
     sched.schedule()
-    sched.finish(b, "abort")
-    sched.finish(a, "abort")
-    sched.finish(a, "abort")                           # idempotent
+    sched.finish(b)
+    sched.finish(a)
+    sched.finish(a)                           # idempotent
     assert sched.blocks.num_free == 8 and not sched.has_work()

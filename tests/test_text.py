@@ -26,8 +26,8 @@ def test_both_detokenizers_release_whole_characters_only(smollm2_tokenizer, fast
 def stream_text(tokenizer, text: str, params: SamplingParams) -> tuple[list[str], RequestText]:
     state = RequestText(params, IncrementalDetokenizer.start(tokenizer, [1]), frozenset({2}))
     pieces = []
-    for token_id in tokenizer(text)["input_ids"]:
-        pieces.append(state.append(token_id, reached_max_len=False))
+    for count, token_id in enumerate(tokenizer(text)["input_ids"], 1):
+        pieces.append(state.append(token_id, at_limit=count >= params.max_tokens))
         if state.finished:
             break
     return pieces, state
@@ -43,8 +43,8 @@ def test_stop_string_is_cut_and_never_partly_released(smollm2_tokenizer):
 
 def test_max_tokens_and_eos_end_the_text(smollm2_tokenizer):
     pieces, state = stream_text(smollm2_tokenizer, "a b c d e f g h", SamplingParams(max_tokens=3))
-    assert state.finished == "length" and state.num_tokens == 3
+    assert state.finished == "length" and len(pieces) == 3
     state = RequestText(SamplingParams(), IncrementalDetokenizer.start(smollm2_tokenizer, [1]),
                         frozenset({2}))
-    state.append(smollm2_tokenizer("hi")["input_ids"][0], reached_max_len=False)
-    assert state.append(2, reached_max_len=False) == "" and state.finished == "stop"
+    state.append(smollm2_tokenizer("hi")["input_ids"][0], at_limit=False)
+    assert state.append(2, at_limit=False) == "" and state.finished == "stop"

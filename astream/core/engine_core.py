@@ -1,7 +1,9 @@
 """EngineCore: requests, scheduler and runner assembled, with no event loop.
 
-The core owns every live request (`requests`) and is the one place that starts and
-ends them; their output goes to each request's sink. The async Engine drives the
+The core owns every live request (`requests`, one record each: core.request) and is the
+one place that starts and ends them; their output goes to each request's sink. Nothing
+else keeps a request across steps: the scheduler holds its sequences while they wait or
+run, and a step's batch lives for that step. The async Engine drives the
 core from its stages; `step()` drives it synchronously (tests, benchmarks).
 """
 
@@ -116,7 +118,8 @@ class EngineCore:
         """Register a request; its output goes to `sink`. Raises ValueError for a live id."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use by a live request")
-        request = Request(request_id, params, sink, client)
+        choices = [Choice(RequestText(params, None, self.eos_ids)) for _ in range(params.n)]
+        request = Request(request_id, params, sink, choices, client)
         self.requests[request_id] = request
         return request
 
@@ -144,23 +147,23 @@ class EngineCore:
         cache, computing only its last, partial block themselves."""
         if not self.is_live(request):
             return                                          # ended while it was tokenized
+        prompt = list(prompt_ids)                           # the request's; its sequences share it
         try:
-            choices = [Choice(Sequence(request.request_id, list(prompt_ids), request.params,
-                                       next(self._arrivals), request.client, index=index),
-                              RequestText(request.params,
-                                          IncrementalDetokenizer.start(self.tokenizer, prompt_ids),
-                                          self.eos_ids))
-                       for index in range(request.params.n)]
-            self.scheduler.add(choices[0].seq)
+            seqs = [Sequence(request.request_id, prompt, request.params, next(self._arrivals),
+                             request.client, index=index) for index in range(request.params.n)]
+            detokenizers = [IncrementalDetokenizer.start(self.tokenizer, prompt) for _ in seqs]
+            self.scheduler.add(seqs[0])
         except Exception as exc:                            # this request's fault alone
             self.reject(request, exc)
             return
-        request.choices = choices
-        request.forks = [choice.seq for choice in choices[1:]]
+        request.prompt_token_ids = prompt
+        for choice, seq, detokenizer in zip(request.choices, seqs, detokenizers):
+            choice.seq, choice.text.detokenizer = seq, detokenizer
+        request.forks = seqs[1:]
         if not self.scheduler.blocks.enable_prefix_caching:
             self._release_forks(request)                    # nothing to share: no reason to wait
         # Its length is known and it fits: servers answer (or refuse) from this first item.
-        request.sink.progress(0, choices[0].seq.num_prompt_tokens)
+        request.sink.progress(request, 0, len(prompt))
 
     def _release_forks(self, request: Request) -> None:
         """The prompt's KV is written (or will not be shared): the other choices may start."""
@@ -183,7 +186,10 @@ class EngineCore:
         """End a request that failed before producing anything; its consumer gets `error`."""
         if self.is_live(request):
             del self.requests[request.request_id]
-            request.sink.reject(error)
+            for choice in request.choices:
+                choice.text.finish_early("error")
+            request.last_ended = len(request.choices) - 1
+            request.sink.reject(request, error)
 
     def finish(self, request: Request, reason: str, error: str | None = None) -> None:
         """End a live request wherever it is (queued, waiting or running): its blocks return,
@@ -193,14 +199,13 @@ class EngineCore:
             return
         del self.requests[request.request_id]
         request.forks = []
-        if not request.choices:                             # not admitted yet
-            for index in range(request.params.n):
-                request.sink.token(-1, "", reason, error, index)
-            return
-        for choice in request.choices:
+        for index, choice in enumerate(request.choices):
             if not choice.finished:
-                self.scheduler.finish(choice.seq, reason)
-                request.sink.token(-1, choice.text.finish_early(reason), reason, error, choice.seq.index)
+                if choice.seq is not None:                  # admitted
+                    self.scheduler.finish(choice.seq)
+                text = choice.text.finish_early(reason)
+                request.last_ended = index
+                request.sink.token(request, -1, text, reason, error, index)
 
     def abort(self, request_id: str) -> None:
         request = self.requests.get(request_id)
@@ -280,24 +285,26 @@ class EngineCore:
                 continue
             request = requests.get(item.seq.request_id)
             if request is not None and request.seq is item.seq:
-                request.sink.progress(item.start + item.num_tokens, item.seq.num_prompt_tokens)
+                request.sink.progress(request, item.start + item.num_tokens, item.seq.num_prompt_tokens)
         return delivered
 
     def _deliver_token(self, request: Request, choice: Choice, token_id: int,
                        logprob: TokenLogprob | None, max_len: int) -> int:
         seq = choice.seq
         try:
-            delta = choice.text.append(token_id, seq.num_tokens >= max_len)
+            delta = choice.text.append(token_id, len(seq.output_token_ids) >= seq.params.max_tokens
+                                       or seq.num_tokens >= max_len)
         except Exception as exc:               # a detokenizer or stop-check fault: this request only
             log.warning("request %s failed in output processing: %r", seq.request_id, exc)
             self.finish(request, "error", f"{type(exc).__name__}: {exc}")
             return 0
         reason = choice.text.finished
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq)
+            request.last_ended = seq.index
             if request.done:
                 del self.requests[request.request_id]
-        if not request.sink.token(token_id, delta, reason, None, seq.index, logprob):
+        if not request.sink.token(request, token_id, delta, reason, None, seq.index, logprob):
             self.finish(request, "abort")       # the consumer is gone
         elif reason is None and request.sink.backlog >= self.config.stream_buffer_tokens:
             self.scheduler.pause(seq)
@@ -345,7 +352,7 @@ class EngineCore:
         engine = self.runner.offload
         if engine is None:
             return {}
-        return {"offload_tail_blocks_used": self.runner.tails.in_use(),
+        return {"offload_tail_blocks_used": len(self.scheduler.running),
                 "offload_ring_slots": len(engine.slots), "offload_slot_blocks": engine.slot_blocks,
                 "offload_bytes_loaded": engine.bytes_loaded,
                 "offload_device_layers": sorted(engine.device_layers),

@@ -1,15 +1,26 @@
-"""One live request as the core keeps it: its sequence, its text state, where its output goes.
+"""One live request: the one record of everything about it (docs/ENGINE.md, "One record
+per request").
 
-The core owns every record (`EngineCore.requests`) and is the only code that ends one.
-Output goes through a `RequestSink`, a small protocol the async engine implements
-with a per-request stream, and synchronous callers with a plain list.
+    Request                  request_id, params, client; prompt_token_ids once tokenized;
+                             timing; the output channel (`sink`)
+      choices[i]             one per completion, n of them from the moment it opens
+        seq: Sequence        its tokens, blocks and scheduling state (the scheduler's view)
+        text: RequestText    its detokenizer, stop state and finish reason
+
+Each fact is kept in one field and read from there. A completion's finish reason is
+`choice.text.finished`, its token count `len(choice.seq.output_token_ids)`; the request's
+finish reason and counts are derived from its choices, never stored beside them. The
+core owns every record (`EngineCore.requests`) and is the only code that starts or ends
+one. Output goes through a `RequestSink`, which the async engine implements with a
+per-request channel, and synchronous callers with a plain list.
 
 A request asking for n completions holds n choices, each a sequence of its own with its
-own text state; they share the prompt's KV (see EngineCore.admit).
+own text state; they share the prompt's KV (see EngineCore.admit) and its token list.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,18 +31,20 @@ from astream.text.request_text import RequestText
 
 
 class RequestSink(Protocol):
-    """Where one request's output goes. Called on the thread that drives the core."""
+    """Where one request's output goes. Called on the thread that drives the core, with the
+    request's record, which the sink reads and never writes (the engine's channel stamps
+    its delivery times: `first_token_at`, `last_token_at`)."""
 
-    def token(self, token_id: int, text: str, finish_reason: str | None,
+    def token(self, request: "Request", token_id: int, text: str, finish_reason: str | None,
               error: str | None = None, choice: int = 0, logprob: TokenLogprob | None = None) -> bool:
         """One output token of completion `choice` (token_id -1: text released without a
         token, at the end). A finish_reason ends that choice; the request ends when each of
-        its n choices has ended. Returns False when the consumer is gone."""
+        its n choices has ended (`request.done`). Returns False when the consumer is gone."""
 
-    def progress(self, prefilled: int, total: int) -> None:
+    def progress(self, request: "Request", prefilled: int, total: int) -> None:
         """Prefill progress of a long prompt."""
 
-    def reject(self, error: Exception) -> None:
+    def reject(self, request: "Request", error: Exception) -> None:
         """The request failed before producing anything (a bad prompt)."""
 
     @property
@@ -41,14 +54,23 @@ class RequestSink(Protocol):
 
 @dataclass(slots=True, eq=False)
 class Choice:
-    """One of a request's completions: its sequence (seq.index is its place) and text."""
+    """One of a request's completions. `seq` comes once the prompt is tokenized."""
 
-    seq: Sequence
     text: RequestText
+    seq: Sequence | None = None
 
     @property
     def finished(self) -> bool:
         return self.text.finished is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.text.finished
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens it generated that reached the host."""
+        return 0 if self.seq is None else len(self.seq.output_token_ids)
 
 
 @dataclass(slots=True, eq=False)
@@ -56,18 +78,19 @@ class Request:
     request_id: str
     params: SamplingParams
     sink: RequestSink
+    choices: list[Choice]                                   # n of them
     client: str = ""
-    choices: list[Choice] = field(default_factory=list)     # once admitted, n of them
+    prompt_token_ids: list[int] | None = None               # once tokenized
     forks: list[Sequence] = field(default_factory=list)     # choices waiting for the prompt's KV
+    last_ended: int = -1                                    # the choice that ended last
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None                     # delivery times, stamped by the
+    last_token_at: float | None = None                      # engine's channel (stages.channel)
 
     @property
     def seq(self) -> Sequence | None:
         """The first choice's sequence, once admitted: the one that computes the prompt."""
-        return self.choices[0].seq if self.choices else None
-
-    @property
-    def text(self) -> RequestText | None:
-        return self.choices[0].text if self.choices else None
+        return self.choices[0].seq
 
     @property
     def done(self) -> bool:
@@ -75,9 +98,31 @@ class Request:
         return not self.forks and all(choice.finished for choice in self.choices)
 
     @property
+    def finish_reason(self) -> str | None:
+        """Why the request ended (the reason of the choice that ended last); None while live."""
+        return self.choices[self.last_ended].text.finished if self.done else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return 0 if self.prompt_token_ids is None else len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated over all choices."""
+        return sum(choice.num_tokens for choice in self.choices)
+
+    @property
     def paused(self) -> bool:
         """A consumer that fell behind made the scheduler hold back some choice (read-only here)."""
-        return any(choice.seq.paused for choice in self.choices)
+        return any(choice.seq is not None and choice.seq.paused for choice in self.choices)
+
+    def timing(self) -> dict:
+        """Time to first token and mean time per later token, in milliseconds."""
+        if self.first_token_at is None:
+            return {"ttft_ms": None, "tpot_ms": None}
+        later = self.completion_tokens - 1
+        tpot = (self.last_token_at - self.first_token_at) / later * 1e3 if later > 0 else None
+        return {"ttft_ms": (self.first_token_at - self.submitted_at) * 1e3, "tpot_ms": tpot}
 
 
 @dataclass(slots=True)
@@ -86,19 +131,19 @@ class ListSink:
 
     items: list = field(default_factory=list)
     error: Exception | None = None
-    num_tokens: int = 0
+    next_index: int = 0                  # the stream's item numbers
 
-    def token(self, token_id: int, text: str, finish_reason: str | None,
+    def token(self, request: Request, token_id: int, text: str, finish_reason: str | None,
               error: str | None = None, choice: int = 0, logprob: TokenLogprob | None = None) -> bool:
-        self.items.append(stream_token("", self.num_tokens, token_id, text, finish_reason, error,
+        self.items.append(stream_token("", self.next_index, token_id, text, finish_reason, error,
                                        choice, logprob))
-        self.num_tokens += 1
+        self.next_index += 1
         return True
 
-    def progress(self, prefilled: int, total: int) -> None:
+    def progress(self, request: Request, prefilled: int, total: int) -> None:
         self.items.append(Progress("", prefilled, total))
 
-    def reject(self, error: Exception) -> None:
+    def reject(self, request: Request, error: Exception) -> None:
         self.error = error
 
     @property

@@ -19,10 +19,15 @@ clients comes first), and while one waits (with a running slot free for it),
 the chunks of unfinished long prompts leave it up to half the step's token budget. So
 a chat turn that arrives while long prompts prefill gets its first token within a step
 or two, and the long prompts still advance every step.
+
+Running slots: a sequence that starts running takes the lowest free slot number below
+max_num_seqs (`seq.slot`) and gives it back when it stops (preempted or finished). With
+KV offload the slot names the sequence's device tail block; the scheduler is its one owner.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -74,11 +79,13 @@ class Scheduler:
     running: list[Sequence] = field(default_factory=list)
     parked: list[Sequence] = field(default_factory=list)       # paused, holding no blocks
     isolated: deque = field(default_factory=deque)             # from failed steps: run alone
+    free_slots: list[int] = field(default_factory=list)        # running slots, a heap
     steps: int = 0
     preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.waiting.short_tokens = self.config.short_prompt_tokens
+        self.free_slots = list(range(self.config.max_num_seqs))
 
     def add(self, seq: Sequence) -> None:
         self.check_prompt_length(seq.num_tokens)
@@ -93,13 +100,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.isolated)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End seq (stopped, length, aborted or failed) and return its blocks."""
+    def finish(self, seq: Sequence) -> None:
+        """End seq (stopped, length, aborted or failed) and return its blocks. Why it ended is
+        its request's record (core.request), not the scheduler's."""
         if seq.status is SequenceStatus.FINISHED:
             return
         self._unlink(seq)
         self.blocks.release(seq)
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        seq.status = SequenceStatus.FINISHED
 
     # ---- backpressure: consumers that stop reading -----------------------------------------
 
@@ -275,7 +283,7 @@ class Scheduler:
             self.blocks.release(seq)
             return None
         self.blocks.grow(seq, target)
-        seq.status = SequenceStatus.RUNNING
+        seq.status, seq.slot = SequenceStatus.RUNNING, heapq.heappop(self.free_slots)
         self.running.append(seq)
         return self._take(seq, n)
 
@@ -307,7 +315,7 @@ class Scheduler:
         """Release seq's blocks; it is recomputed later (once resumed, if it is paused)."""
         if seq.status is not SequenceStatus.RUNNING:
             return
-        self.running.remove(seq)
+        self._stop_running(seq)
         self.blocks.release(seq)
         seq.status = SequenceStatus.WAITING
         self.preemptions += 1
@@ -316,9 +324,14 @@ class Scheduler:
         else:
             self.waiting.push_front(seq)
 
+    def _stop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        heapq.heappush(self.free_slots, seq.slot)
+        seq.slot = -1
+
     def _unlink(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._stop_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.parked:

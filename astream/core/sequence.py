@@ -1,4 +1,6 @@
-"""Request state as the scheduler and block manager see it."""
+"""One completion of a request as the scheduler, the block manager and the executor see it:
+its tokens, where their KV lives and its scheduling state. Its request's record
+(core.request) owns it; this view holds no text, no finish reason and no output."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ class Sequence:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]                     # the request's own list, shared by its choices
     params: SamplingParams
     arrival: int                                    # admission order: ties between clients
     client: str = ""                                # fairness group (a connection, a user)
@@ -36,9 +38,10 @@ class Sequence:
     num_hashed_blocks: int = 0                      # leading blocks already published to the cache
     num_pending: int = 0
     kv_epoch: int = 0                               # this life of block_table (BlockManager)
-    finish_reason: str | None = None
     paused: bool = False                            # its consumer fell behind (backpressure)
     faults: int = 0                                 # failed steps it took part in
+    slot: int = -1                                  # its running slot (Scheduler): with offload,
+                                                    # the device tail block it owns
     # The row the pending token occupies in its step's sampled-ids tensor.
     pending_row: int = -1
 

@@ -24,7 +24,7 @@ from astream.base.sampling import SamplingParams
 from astream.core.engine_core import EngineCore
 from astream.core.request import Request
 from astream.engine.load_progress import LoadProgress, wants_progress
-from astream.engine.request_stream import RequestStream
+from astream.engine.request_stream import RequestStream, stream_request
 from astream.policies import check_policy_mode, make_policy
 from astream.runtime.events import Notifier, run_off_loop
 from astream.stages import graph
@@ -132,9 +132,9 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-                     request_id: str | None = None, *, progress: bool = False, client: str = ""
-                     ) -> AsyncIterator[StreamToken]:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None, *, progress: bool = False, client: str = ""
+               ) -> AsyncIterator[StreamToken]:
         """Tokens of one request as they are produced. Leaving the loop early aborts it.
 
         A bad prompt raises ValueError here. With progress=True, `Progress` items
@@ -143,10 +143,7 @@ class Engine:
         completion's final token. Requests of one `client` share a fair part
         of the running slots with those of other clients (see docs/ENGINE.md).
         """
-        request = await self.request(prompt, params, request_id, progress=progress, client=client)
-        async with request:
-            async for item in request:
-                yield item
+        return stream_request(self, prompt, params, request_id, progress, client)
 
     async def request(self, prompt: Prompt, params: SamplingParams | None = None,
                       request_id: str | None = None, *, progress: bool = False,
@@ -158,8 +155,7 @@ class Engine:
         Close the stream (or leave `async with`) to abort the request.
         """
         request, channel = await self._open(prompt, params, request_id, client)
-        return RequestStream(request, channel, self._follow(request, channel, progress),
-                             self._abort_request)
+        return RequestStream(request, self._follow(request, channel, progress), self._abort_request)
 
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None,
                        request_id: str | None = None, *, client: str = "") -> Completion:
@@ -216,9 +212,8 @@ class Engine:
             raise TypeError(f"client must be a string, got {type(client).__name__}")
         self.core.check_prompt_size(prompt)
         request_id = request_id or uuid.uuid4().hex
-        channel = RequestChannel.open(request_id, self.metrics, params.n)
+        channel = RequestChannel(metrics=self.metrics)
         request = self.core.open_request(request_id, params, channel, client)
-        channel.prompt_tokens = lambda: 0 if request.seq is None else request.seq.num_prompt_tokens
         try:
             await self._submit.send(Submission(request, prompt))
         except BaseException:                     # cancelled while queueing: leave nothing behind

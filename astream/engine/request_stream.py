@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 from astream.base.outputs import Progress, StreamToken
+from astream.base.sampling import SamplingParams
 from astream.core.request import Request
-from astream.stages.channel import RequestChannel
+from astream.text.tokenization import Prompt
 
 
 class RequestStream:
     """Iterate it for StreamTokens (and Progress items when asked for).
 
     Closing it (aclose, or leaving `async with`) before the last token aborts the request,
-    whether or not it was ever iterated.
+    whether or not it was ever iterated. Its usage, finish reason and timing are read from
+    the request's record.
     """
 
-    def __init__(self, request: Request, channel: RequestChannel,
-                 items: AsyncIterator[StreamToken | Progress], abort: Callable[[Request], None]) -> None:
+    def __init__(self, request: Request, items: AsyncIterator[StreamToken | Progress],
+                 abort: Callable[[Request], None]) -> None:
         self._request = request
-        self._channel = channel
         self._items = items
         self._abort = abort
 
@@ -29,25 +30,23 @@ class RequestStream:
 
     @property
     def prompt_tokens(self) -> int:
-        seq = self._request.seq
-        return 0 if seq is None else seq.num_prompt_tokens
+        return self._request.prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        seq = self._request.seq
-        return [] if seq is None else list(seq.prompt_token_ids)
+        return list(self._request.prompt_token_ids or ())
 
     @property
     def completion_tokens(self) -> int:
-        return self._channel.tokens_sent
+        return self._request.completion_tokens
 
     @property
     def finish_reason(self) -> str | None:
-        return self._channel.finish_reason
+        return self._request.finish_reason
 
     def timing(self) -> dict:
         """{"ttft_ms": ..., "tpot_ms": ...}; None where not yet measurable."""
-        return self._channel.timing()
+        return self._request.timing()
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -64,3 +63,32 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+class OpenStream(Protocol):
+    """A request's open stream, as Engine.request and EngineProcess.request return it."""
+
+    def __aiter__(self) -> AsyncIterator[StreamToken | Progress]: ...
+
+    async def __aenter__(self) -> "OpenStream": ...
+
+    async def __aexit__(self, *exc_info) -> None: ...
+
+
+class RequestSource(Protocol):
+    """What opens requests: an Engine, or an EngineProcess in front of one."""
+
+    async def request(self, prompt: Prompt, params: SamplingParams | None = None,
+                      request_id: str | None = None, *, progress: bool = False,
+                      client: str = "") -> OpenStream: ...
+
+
+async def stream_request(source: RequestSource, prompt: Prompt, params: SamplingParams | None,
+                         request_id: str | None, progress: bool, client: str
+                         ) -> AsyncIterator[StreamToken | Progress]:
+    """`stream()` of Engine and EngineProcess: open the request at the first `anext`, yield
+    its items, and close it (aborting it if still live) however the iteration ends."""
+    request = await source.request(prompt, params, request_id, progress=progress, client=client)
+    async with request:
+        async for item in request:
+            yield item

@@ -9,7 +9,6 @@ import torch
 from astream.base.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.offload_graphs import OffloadDecodeGraphs, decodes_densely, selects_everywhere
-from astream.executor.offload_plan import TailSlots
 from astream.executor.runner import ModelRunner
 from astream.kvcache.calibration import calibrate_format, calibration_ids, scaled_format
 from astream.kvcache.kv_format import KVFormat, is_fp8
@@ -63,7 +62,7 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
             model, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
             sizes.staging_blocks, config.max_num_seqs, fmt, runtime,
             device_layers=tuple(sorted(bound.traits.device_layers)))
-        runner = ModelRunner(**parts, offload=offload, tails=TailSlots(config.max_num_seqs))
+        runner = ModelRunner(**parts, offload=offload)
     else:
         cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, fmt, device)
         runner = ModelRunner(**parts, cache=cache)

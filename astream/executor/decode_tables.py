@@ -3,35 +3,43 @@ where a table has not changed.
 
 Turning every table's Python ints into an array each step costs time in proportion to
 the whole context of the batch, although a step changes few tables: a decode gains a
-block once every `block_size` tokens. A block table only grows by appending to the same
-list, and a sequence that gives its blocks back starts a new list (kvcache.block_manager),
-so a table that is the same list object with the same length as last step holds the
-same blocks. The previous step's lists stay referenced here, so no other list can take
-one of their ids meanwhile.
+block once every `block_size` tokens. A block table only grows by appending, and each
+life of one (from its first block until its blocks are given back) has a `kv_epoch` of
+its own (kvcache.block_manager), so a table with the same epoch and the same length as
+last step holds the same blocks. What is kept between steps is last step's array and its
+rows by epoch: numbers, never a sequence or its list.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
+from operator import attrgetter
+from typing import Protocol
 
 import numpy as np
+
+_tables, _epochs = attrgetter("block_table"), attrgetter("kv_epoch")
+
+
+class TableOwner(Protocol):
+    block_table: list[int]
+    kv_epoch: int
 
 
 @dataclass(slots=True)
 class DecodeTables:
     rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=np.int32))
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    tables: list[list[int]] = field(default_factory=list)     # the lists behind `rows`
-    row_of: dict[int, int] = field(default_factory=dict)      # id(list) -> its row in `rows`
+    row_of: dict[int, int] = field(default_factory=dict)      # kv_epoch -> its row in `rows`
 
-    def build(self, tables: list[list[int]]) -> np.ndarray:
-        """[len(tables), longest] int32: each table padded with block 0 (a new array)."""
-        n = len(tables)
+    def build(self, owners: list[TableOwner]) -> np.ndarray:
+        """[len(owners), longest] int32: each block table padded with block 0 (a new array)."""
+        n = len(owners)
+        tables, epochs = list(map(_tables, owners)), list(map(_epochs, owners))
         lengths = np.fromiter(map(len, tables), np.int64, n)
         out = np.zeros((n, int(lengths.max()) if n else 0), dtype=np.int32)
-        row_of = self.row_of
-        src = np.fromiter((row_of.get(id(table), -1) for table in tables), np.int64, n)
+        src = np.fromiter(map(self.row_of.get, epochs, repeat(-1, n)), np.int64, n)
         same = src >= 0
         same[same] = self.lengths[src[same]] == lengths[same]
         width = min(out.shape[1], self.rows.shape[1])
@@ -39,8 +47,8 @@ class DecodeTables:
         changed = np.flatnonzero(~same)
         if len(changed):
             out[changed] = _padded([tables[row] for row in changed], lengths[changed], out.shape[1])
-        self.rows, self.lengths, self.tables = out, lengths, tables
-        self.row_of = {id(table): row for row, table in enumerate(tables)}
+        self.rows, self.lengths = out, lengths
+        self.row_of = dict(zip(epochs, range(n)))
         return out
 
 

@@ -93,7 +93,7 @@ def pack_inputs(batch: ScheduledBatch, block_size: int,
         rows.add_chunk(item, block_size)
     if singles:
         tables = (DecodeTables() if decode_tables is None else decode_tables).build(
-            [item.seq.block_table for item in singles])
+            [item.seq for item in singles])
         rows.add_singles(singles, tables, block_size)
     longs, ints = HostPack(np.int64), HostPack(np.int32)
     token_parts = [longs.add(rows.column(name)) for name in ("ids", "positions", "slots")]

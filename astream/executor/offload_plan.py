@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from astream.core.scheduler import ScheduledBatch
-from astream.core.sequence import SequenceStatus
 from astream.executor.inputs import to_device, varlen_meta
 from astream.kvcache.offload_engine import NewKV, Run
 from astream.ops.varlen import VarlenMeta
@@ -96,29 +95,6 @@ class OffloadStepPlan:
 
 
 @dataclass(slots=True)
-class TailSlots:
-    """Which device tail block each running sequence owns."""
-
-    capacity: int
-    owners: dict = field(default_factory=dict)     # Sequence -> slot
-
-    def slot_for(self, seq) -> int:
-        if seq not in self.owners:
-            self._reclaim()
-            used = set(self.owners.values())
-            self.owners[seq] = next(i for i in range(self.capacity) if i not in used)
-        return self.owners[seq]
-
-    def in_use(self) -> int:
-        self._reclaim()
-        return len(self.owners)
-
-    def _reclaim(self) -> None:
-        for seq in [s for s in self.owners if s.status is not SequenceStatus.RUNNING]:
-            del self.owners[seq]
-
-
-@dataclass(slots=True)
 class _PlanBuilder:
     """Host lists of one step's plan, filled row by row."""
 
@@ -183,15 +159,15 @@ class _PlanBuilder:
         self.decode_owners.append(seq.kv_epoch)
 
 
-def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
+def build_offload_plan(batch: ScheduledBatch, block_size: int, slot_blocks: int,
                        device: torch.device, sparse_decode: bool = False,
                        whole_prefill: frozenset[int] = frozenset()) -> OffloadStepPlan:
     """The step's plan on `device` (`plan_offload`, then sent)."""
-    return plan_offload(batch, block_size, slot_blocks, tails, sparse_decode,
+    return plan_offload(batch, block_size, slot_blocks, sparse_decode,
                         whole_prefill).send(device)
 
 
-def plan_offload(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails: TailSlots,
+def plan_offload(batch: ScheduledBatch, block_size: int, slot_blocks: int,
                  sparse_decode: bool = False, whole_prefill: frozenset[int] = frozenset()
                  ) -> "HostOffloadPlan":
     """The step's plan as host lists. The jobs that sparse decode layers (`sparse_decode`:
@@ -200,7 +176,7 @@ def plan_offload(batch: ScheduledBatch, block_size: int, slot_blocks: int, tails
     plan = _PlanBuilder(block_size, slot_blocks, sparse_decode, bool(whole_prefill))
     row = 0
     for item in batch.items:
-        tail = tails.slot_for(item.seq)
+        tail = item.seq.slot                     # its device tail block: its running slot
         if item.num_tokens > 1:
             plan.prefill(item.seq, item.start, item.num_tokens, row, tail)
         else:

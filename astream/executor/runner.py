@@ -23,7 +23,7 @@ from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, plan_offloaded_step, whole_prefill_loads
 from astream.executor.offload_graphs import OffloadDecodeGraphs
-from astream.executor.offload_plan import HostOffloadPlan, OffloadStepPlan, TailSlots, plan_offload
+from astream.executor.offload_plan import HostOffloadPlan, OffloadStepPlan, plan_offload
 from astream.executor.paged_attention import PagedAttention
 from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
 from astream.kvcache.kv_format import KVFormat
@@ -82,9 +82,11 @@ class StepOutput:
 
 @dataclass(slots=True)
 class ModelRunner:
-    """Runs steps over one KV backend: `cache` (device-resident), or `offload` with its
-    `tails` (host pool behind a device ring); either may replay decode steps from CUDA
-    `graphs`. Built by executor.build."""
+    """Runs steps over one KV backend: `cache` (device-resident), or `offload` (host pool
+    behind a device ring, with a device tail block per running slot); either may replay
+    decode steps from CUDA `graphs`. Built by executor.build. It keeps nothing of a request
+    between steps: each step's batch names its sequences, and what is kept (the decode
+    tables) is numbers."""
 
     decoder: Decoder
     runtime: DeviceRuntime
@@ -95,8 +97,7 @@ class ModelRunner:
     cache: PagedKVCache | None = None
     graphs: DecodeGraphs | OffloadDecodeGraphs | None = None
     offload: OffloadEngine | None = None
-    tails: TailSlots | None = None
-    decode_tables: DecodeTables = field(default_factory=DecodeTables)   # kept between steps
+    decode_tables: DecodeTables = field(default_factory=DecodeTables)   # last step's, by kv_epoch
     eos_ids: frozenset[int] = frozenset()   # held back, with stop_token_ids, until min_tokens
     followers: StepFollowers | None = None  # rank 0 of several tensor-parallel ranks
 
@@ -124,7 +125,7 @@ class ModelRunner:
         if self.offload is not None:
             traits = self.policy.traits
             host_plan = plan_offload(
-                batch, self.block_size, self.offload.slot_blocks, self.tails,
+                batch, self.block_size, self.offload.slot_blocks,
                 sparse_decode=bool(traits.decode_layers), whole_prefill=traits.prefill_layers)
             plan = host_plan.send(device)
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],

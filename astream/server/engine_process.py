@@ -33,6 +33,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from astream.base.metrics import EngineMetrics
 from astream.base.outputs import Progress, StreamToken
 from astream.base.sampling import SamplingParams
 from astream.engine.engine import Engine
+from astream.engine.request_stream import stream_request
 from astream.runtime.events import run_off_loop
 from astream.stages.output_queue import OutputQueue
 from astream.text.tokenization import Prompt
@@ -179,7 +181,8 @@ class EngineProcess:
         self.window = self.config.stream_buffer_tokens
         self.metrics = EngineMetrics()
         self._stats: dict = {}
-        self._tokenizer = None
+        self._tokenizer = None                    # loaded by the first caller that names tokens
+        self._tokenizer_lock = threading.Lock()
         self._process: multiprocessing.process.BaseProcess | None = None
         self.link: _Link | None = None
         self._streams: dict[str, RemoteStream] = {}
@@ -207,7 +210,6 @@ class EngineProcess:
         self._reader = asyncio.create_task(self._read(), name="astream engine link")
         try:
             await self._ready
-            self._tokenizer = await run_off_loop(_load_tokenizer, self.config)
             gc.freeze()    # what startup made lives as long as the server: full collections skip it
         except BaseException:
             await self.__aexit__(*sys.exc_info())
@@ -240,8 +242,15 @@ class EngineProcess:
 
     @property
     def tokenizer(self):
+        """The model's tokenizer in this process, loaded at the first use (logprobs name
+        their tokens with it); the loading blocks, so call it off the event loop the first
+        time. The engine itself tokenizes in its own process."""
         if self._tokenizer is None:
-            raise EngineClosedError("the engine is not running")
+            if self.link is None:
+                raise EngineClosedError("the engine is not running")
+            with self._tokenizer_lock:            # two first callers load it once
+                if self._tokenizer is None:
+                    self._tokenizer = _load_tokenizer(self.config)
         return self._tokenizer
 
     def stats(self) -> dict:
@@ -277,12 +286,10 @@ class EngineProcess:
             self._opening.pop(request_id, None)
         return stream
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None,
-                     request_id: str | None = None, *, progress: bool = False, client: str = ""):
-        request = await self.request(prompt, params, request_id, progress=progress, client=client)
-        async with request:
-            async for item in request:
-                yield item
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None,
+               request_id: str | None = None, *, progress: bool = False, client: str = ""):
+        """As Engine.stream (one implementation: engine.request_stream.stream_request)."""
+        return stream_request(self, prompt, params, request_id, progress, client)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._streams and self._exit is None:

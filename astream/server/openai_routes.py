@@ -30,6 +30,7 @@ from starlette.types import Send
 from astream.base.errors import EngineClosedError
 from astream.base.outputs import CompletionOutput, Progress, StreamToken, TokenLogprob
 from astream.engine.request_stream import RequestStream
+from astream.runtime.events import run_off_loop
 from astream.server.guard import http_client, refusal
 from astream.server.http import JSON, BodyError, WhileConnected, json_text, read_body
 from astream.server.openai_schema import (
@@ -49,6 +50,7 @@ class OpenAIRoutes:
         self.created = int(time.time())
         self.live: set[str] = set()             # engine ids of the requests running here
         self._numbers = itertools.count(1)
+        self._spell: Spell | None = None        # made at the first request that asks for logprobs
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
@@ -128,7 +130,7 @@ class OpenAIRoutes:
             if overflow:
                 raise ApiError(HTTPStatus.BAD_REQUEST, overflow, "messages" if api.chat else "prompt",
                                "context_length_exceeded")
-            spell = self._speller()
+            spell = await self._speller() if api.logprobs is not None else None
             produce = _events(api, stream, first, state.options.progress_interval, spell) \
                 if api.stream else _whole(api, stream, first, spell)
             handed = cleanup.pop_all()                      # the response owns the request now
@@ -139,10 +141,14 @@ class OpenAIRoutes:
 
         return WhileConnected(respond)
 
-    def _speller(self) -> Spell:
-        """A token id's text, as logprobs name it (the model's own piece, cached)."""
-        tokenizer = self.state.engine.tokenizer
-        return functools.lru_cache(maxsize=65536)(lambda token_id: tokenizer.decode([token_id]))
+    async def _speller(self) -> Spell:
+        """A token id's text, as logprobs name it (the model's own piece, cached), made once.
+        An engine in another process loads its tokenizer here at the first use: off the loop."""
+        if self._spell is None:
+            tokenizer = await run_off_loop(lambda: self.state.engine.tokenizer)
+            self._spell = functools.lru_cache(maxsize=65536)(
+                lambda token_id: tokenizer.decode([token_id]))
+        return self._spell
 
     def _ended(self, engine_id: str) -> None:
         self.live.discard(engine_id)
@@ -164,7 +170,7 @@ def _prompt_error(exc: ValueError) -> ApiError:
 
 
 def _whole(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress,
-           spell: Spell):
+           spell: Spell | None):
     async def produce(send: Send) -> None:
         outputs = [CompletionOutput(index=i) for i in range(api.n)]
         ended = 0
@@ -193,7 +199,7 @@ def _whole(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress
 
 
 def _events(api: ApiRequest, stream: RequestStream, first: StreamToken | Progress, interval: float,
-            spell: Spell):
+            spell: Spell | None):
     """Chunks as tokens come; until the first, an SSE comment with the prefill's progress at
     least every `interval` seconds (clients skip comments; proxies see a live stream)."""
     async def produce(send: Send) -> None:

@@ -74,32 +74,36 @@ class IncrementalDetokenizer:
 
 @dataclass(slots=True)
 class RequestText:
-    """Turns one request's token ids into released text and a finish reason."""
+    """Turns one completion's token ids into released text, and decides why it ends.
+
+    `finished` is the completion's finish reason: the one place it is kept (the request's
+    record reads it from here). The detokenizer is given once the prompt is tokenized.
+    """
 
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None
     eos_ids: frozenset[int]
     held: str = ""               # decoded text not released yet: it may begin a stop string
     released: int = 0            # characters handed out so far
     finished: str | None = None
-    num_tokens: int = 0
     stops: StopMatcher | None = None
 
     def __post_init__(self) -> None:
         if self.params.stop and self.stops is None:
             self.stops = StopMatcher.build(self.params.stop)
 
-    def append(self, token_id: int, reached_max_len: bool) -> str:
-        """Add one token; return newly released text. Sets `finished` when it ends."""
-        self.num_tokens += 1
+    def append(self, token_id: int, at_limit: bool) -> str:
+        """Add one token; return newly released text. Sets `finished` when it ends.
+        `at_limit`: the completion has its max_tokens, or its sequence max_model_len (the
+        caller counts tokens: the sequence holds them)."""
         params = self.params
         if token_id in params.stop_token_ids or (token_id in self.eos_ids and not params.ignore_eos):
             self.finished = "stop"
             return self._release(self.held)
         piece = self.detokenizer.push(token_id)
         if self.stops is not None:
-            return self._append_with_stops(piece, reached_max_len)
-        if self.num_tokens >= params.max_tokens or reached_max_len:
+            return self._append_with_stops(piece, at_limit)
+        if at_limit:
             self.finished = "length"
             piece += self.detokenizer.flush()
         self.released += len(piece)          # without stop strings nothing is ever held
@@ -110,13 +114,13 @@ class RequestText:
         self.finished = reason
         return self._release(self.held)
 
-    def _append_with_stops(self, piece: str, reached_max_len: bool) -> str:
+    def _append_with_stops(self, piece: str, at_limit: bool) -> str:
         text = self.held + piece             # starts at character `released` of all text
         stop_at = self.stops.feed(piece)
         if stop_at is not None:
             self.finished = "stop"
             return self._release(text[:max(stop_at - self.released, 0)])
-        if self.num_tokens >= self.params.max_tokens or reached_max_len:
+        if at_limit:
             self.finished = "length"
             return self._release(text + self.detokenizer.flush())
         keep = min(self.stops.held, len(text))
