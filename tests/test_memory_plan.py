@@ -48,7 +48,8 @@ def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_form
     # One whole max_model_len sequence even past half the host (72 GiB of 120).
     assert plan.num_blocks == MILLION // 256 == 4096
     assert mem.host_pool == MILLION * token == 72 * GiB
-    assert mem.weights == 4_022_468_096 * 2        # Qwen3-4B's parameters in bf16
+    # Qwen3-4B's parameters in bf16, and the rotary tables of a million positions
+    assert mem.weights == 4_022_468_096 * 2 + 2 * MILLION * 128 * 2
     assert mem.device_kv == 2 * 4096 * layer_block                     # the 2 dense layers
     # Page bounds (1/16 of KV) and group bounds (1/256) on the 34 sparse layers.
     assert mem.policy_metadata == pytest.approx(72 * GiB * 34 / 36 / 16 * 17 / 16, abs=1)

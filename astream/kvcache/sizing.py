@@ -169,7 +169,8 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
 
 
 def weight_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the model's weights held densely in `dtype`."""
+    """Bytes of the model's weights held densely in `dtype`, with the rotary tables (cos and
+    sin of every position up to max_position_embeddings: 512 MiB at a million)."""
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     hidden = model.hidden_size
     layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * model.intermediate_size + 2 * hidden
@@ -178,7 +179,8 @@ def weight_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
     if model.qk_norm:
         layer += 2 * model.head_dim
     embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
-    return (model.num_layers * layer + embeddings + hidden) * _element_size(dtype)
+    rope = 2 * model.max_position_embeddings * model.head_dim
+    return (model.num_layers * layer + embeddings + hidden + rope) * _element_size(dtype)
 
 
 def check_max_model_len(max_model_len: int | None, model: ModelConfig) -> None:
