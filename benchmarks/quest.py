@@ -67,6 +67,20 @@ Sections (the section's own options after its name; defaults in brackets):
   machine state. --model FILE --ctx [32000] --budget [4096] --steps [32]; use --repeats 3.
   (--smoke without --model: the tiny shape, random weights, SmolLM2's tokenizer.)
 
+- `filled`: decode steps over a context too long to prefill in a benchmark (a million tokens),
+  written straight into the host pool (kv_fill.py: random K/V, Quest's page and group
+  bounds as prefill computes them, the blocks published as a cached prefix). Offload, one
+  engine per (kv dtype, case) that sizes itself from max_model_len = the case's context;
+  the prompt is the context less one block, whose prefill is the first step (it reads the
+  whole context through the ring); then each budget and --groups setting decodes in turn,
+  timed as `speed` does. Info: the memory plan (`plan`, `plan_host_gib`,
+  `plan_device_gib`), what was measured (`host_pinned_gib`, `pool_pieces`, `pool_alloc_s`:
+  allocating and pinning the pool, `device_used_gib`, `device_allocated_gib`), `engine_s`,
+  `fill_s`, and `pages_per_selection` (a row fails unless it is the budget's pages).
+  --cases [1048576x1] --kv-dtypes [fp8_e4m3] --budgets [4096] --groups [auto] (auto: the
+  policy's rule; on, off, or several in turn) --shape [qwen3-4b] --steps [10]; --smoke:
+  the tiny shape, 64-token blocks, groups of 4 pages, contexts 2048x1,1024x2.
+
 A run of `speed` with --repeats 1 reports min / median / max of its --steps steps, as one
 run of the engine.
 """
