@@ -247,7 +247,7 @@ def _select_in_groups(q: Tensor, kmin: Tensor, kmax: Tensor, groups: Selection, 
     pages = (groups.indices.long().unsqueeze(-1) * group_pages + inner).flatten(2)  # [B, KVH, C]
     limit = num_pages.view(-1, 1, 1).long()
     real = (torch.arange(width, device=q.device) < groups.counts.unsqueeze(-1))
-    valid = real.repeat_interleave(group_pages, dim=-1) & (pages < limit)
+    valid = real.unsqueeze(-1).expand(-1, -1, -1, group_pages).flatten(2) & (pages < limit)
     ids = torch.where(valid, (groups.physical.unsqueeze(-1) * group_pages + inner).flatten(2), 0)
     heads = torch.arange(kv_heads, device=q.device).view(1, -1, 1)
     qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
