@@ -71,6 +71,14 @@ def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables:
                                        block_size=block_size, page_size=page_size)
     scores = page_scores_ref(q, kmin, kmax, ids, num_pages, gqa_reduce=gqa_reduce)
     indices, counts = select_pages(scores, num_pages, budget_pages, sink_pages, recent_pages)
+    return _finish_selection(indices, counts, block_tables, context_lens, block_size, page_size,
+                             append_newest, physical, counters)
+
+
+def _finish_selection(indices: Tensor, counts: Tensor, block_tables: Tensor, context_lens: Tensor,
+                      block_size: int, page_size: int, append_newest: bool, physical: bool,
+                      counters: Tensor | None) -> Selection:
+    """Count the picks, add the newest block's pages, map them to physical pages if asked."""
     if counters is not None:
         counters[0] += counts.sum()
         counters[1] += counts.numel()
@@ -223,17 +231,8 @@ def select_decode_pages_grouped(q: Tensor, kmin: Tensor, kmax: Tensor, gmin: Ten
     num_pages = torch.div(context_lens + page_size - 1, page_size, rounding_mode="floor")
     indices, counts = _select_in_groups(q, kmin, kmax, groups, num_pages, group_pages,
                                         budget_pages, sink_pages, recent_pages, gqa_reduce)
-    if counters is not None:
-        counters[0] += counts.sum()
-        counters[1] += counts.numel()
-    if append_newest:
-        indices, counts = with_newest_block(indices, counts, context_lens, block_size, page_size)
-    phys = None
-    if physical:
-        batch, kv_heads, width = indices.shape
-        blocks = block_tables.long().gather(1, (indices.long() // ppb).view(batch, -1))
-        phys = blocks.view(batch, kv_heads, width) * ppb + indices.long() % ppb
-    return Selection(indices, counts, phys)
+    return _finish_selection(indices, counts, block_tables, context_lens, block_size, page_size,
+                             append_newest, physical, counters)
 
 
 def _select_in_groups(q: Tensor, kmin: Tensor, kmax: Tensor, groups: Selection, num_pages: Tensor,
