@@ -179,4 +179,6 @@ def test_group_parameters_are_checked():
                 dict(group_above_pages=-1)):
         with pytest.raises(ValueError, match="QuestPolicy group"):
             QuestPolicy(**bad)
-    assert QuestPolicy().kv_overhead(36) == pytest.approx(34 / 36 / 16 * (1 + 1 / 16))
+    # Group bounds only where a block holds whole groups (16 pages of 16 tokens).
+    assert QuestPolicy().kv_overhead(36, 256) == pytest.approx(34 / 36 / 16 * (1 + 1 / 16))
+    assert QuestPolicy().kv_overhead(36, 128) == pytest.approx(34 / 36 / 16)

@@ -31,7 +31,7 @@ def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
     policy's device metadata (kept in the cache's element type, per byte of KV) and, with
     offload, the layers whose KV it keeps on the device as well and its decode buffers."""
     device_layers = len(policy.offload_device_layers(model.num_layers)) if config.offload else 0
-    return _cache_spec(config, policy.kv_overhead(model.num_layers), policy.sparse_prefill,
+    return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
                        _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers)
 
 

@@ -74,11 +74,15 @@ class QuestPolicy(SparsePolicy):
     def budget_pages(self) -> int:
         return self.budget_tokens // self.page_size
 
-    def kv_overhead(self, num_layers: int) -> float:
+    def kv_overhead(self, num_layers: int, block_size: int = 0) -> float:
         # min and max of K per page: 2 * K / page_size = (K + V) / page_size, on sparse layers;
-        # and per group of pages (an upper bound: blocks of fewer pages keep none).
-        groups = 1 / self.group_pages if self.group_pages > 1 else 0.0
+        # and per group of pages, where a block holds whole groups.
+        groups = 1 / self.group_pages if self.keeps_groups(block_size) else 0.0
         return max(0, num_layers - self.dense_layers) / max(1, num_layers) / self.page_size * (1 + groups)
+
+    def keeps_groups(self, block_size: int) -> bool:
+        """Whether blocks of block_size tokens (0: any) hold whole groups of pages."""
+        return self.group_pages > 1 and block_size % (self.page_size * self.group_pages) == 0
 
     def decode_buffer_tokens(self) -> int:
         return self.budget_tokens if self.reuse_pages else 0
@@ -94,8 +98,7 @@ class QuestPolicy(SparsePolicy):
                                            page_size=self.page_size)
                   if layer >= self.dense_layers else None for layer in range(layout.num_layers)]
         counters = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
-        grouped = self.group_pages > 1 and ops.pages_per_block(layout.block_size, self.page_size) \
-            % self.group_pages == 0
+        grouped = self.keeps_groups(layout.block_size)
         groups = [ops.allocate_page_bounds(layout.num_blocks, layout.block_size, layout.num_kv_heads,
                                            layout.head_dim, dtype=layout.key_dtype, device=layout.device,
                                            page_size=self.page_size * self.group_pages)
