@@ -67,6 +67,20 @@ Sections (the section's own options after its name; defaults in brackets):
   machine state. --model FILE --ctx [32000] --budget [4096] --steps [32]; use --repeats 3.
   (--smoke without --model: the tiny shape, random weights, SmolLM2's tokenizer.)
 
+- `filled`: decode steps over a context too long to prefill in a benchmark (a million tokens),
+  written straight into the host pool (kv_fill.py: random K/V, Quest's page and group
+  bounds as prefill computes them, the blocks published as a cached prefix). Offload, one
+  engine per (kv dtype, case) that sizes itself from max_model_len = the case's context;
+  the prompt is the context less one block, whose prefill is the first step (it reads the
+  whole context through the ring); then each budget and --groups setting decodes in turn,
+  timed as `speed` does. Info: the memory plan (`plan`, `plan_host_gib`,
+  `plan_device_gib`), what was measured (`host_pinned_gib`, `pool_pieces`, `pool_alloc_s`:
+  allocating and pinning the pool, `device_used_gib`, `device_allocated_gib`), `engine_s`,
+  `fill_s`, and `pages_per_selection` (a row fails unless it is the budget's pages).
+  --cases [1048576x1] --kv-dtypes [fp8_e4m3] --budgets [4096] --groups [auto] (auto: the
+  policy's rule; on, off, or several in turn) --shape [qwen3-4b] --steps [10]; --smoke:
+  the tiny shape, 64-token blocks, groups of 4 pages, contexts 2048x1,1024x2.
+
 A run of `speed` with --repeats 1 reports min / median / max of its --steps steps, as one
 run of the engine.
 """
@@ -91,7 +105,7 @@ from astream.core.engine_core import EngineCore
 from astream.policies import QuestPolicy
 
 SECTIONS = ("speed", "kernels", "kernel_sweep", "layouts", "select_sweep", "locality", "profile",
-            "reuse")
+            "reuse", "filled")
 FULL = 1 << 40                                   # a budget no context reaches: the dense path
 PAGE_ELEMENTS = 16 * 128 * 2                     # one KV head's page: 16 tokens x 128 x K,V
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16       # the Qwen3-4B/8B attention shape, Quest's page
@@ -101,7 +115,7 @@ ERR_LIMIT = 1e-2
 
 # Defaults that differ by section (None in the parser).
 DEFAULTS = {
-    "speed": dict(steps=10),
+    "speed": dict(steps=10, kv_dtypes="auto"),
     "kernels": dict(reps=50),
     "kernel_sweep": dict(contexts="32768,131072", batches="1,4", budget=4096, reps=20),
     "layouts": dict(contexts="32768,131072", batches="1,4", budget=4096, reps=20),
@@ -110,9 +124,11 @@ DEFAULTS = {
     "locality": dict(ctx="16384", budgets="1024,2048,4096", steps=48),
     "profile": dict(ctx="32768", budget=2048),
     "reuse": dict(ctx="32000", budget=4096, steps=32),
+    "filled": dict(steps=10, kv_dtypes="fp8_e4m3", cases="1048576x1", budgets="4096",
+                   shape="qwen3-4b"),
 }
 SMOKE = {
-    "speed": dict(steps=3),
+    "speed": dict(steps=3, kv_dtypes="auto"),
     "kernels": dict(reps=3),
     "kernel_sweep": dict(contexts="512", batches="1,2", budget=128, reps=3),
     "layouts": dict(contexts="512", batches="2", budget=128, reps=3),
@@ -120,18 +136,22 @@ SMOKE = {
     "locality": dict(ctx="600", budgets="128", steps=6),
     "profile": dict(ctx="256", budget=64),
     "reuse": dict(ctx="600", budget=64, steps=4),
+    "filled": dict(steps=3, kv_dtypes="fp8_e4m3", cases="2048x1,1024x2", budgets="128",
+                   shape="tiny"),
 }
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--section", default="speed", choices=SECTIONS)
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed a run")
-    parser.add_argument("--cases", default="", help="speed: CTXxBATCH cases, e.g. 4096x1,131072x1")
+    parser.add_argument("--cases", default=None,
+                        help="speed, filled: CTXxBATCH cases, e.g. 4096x1,131072x1")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
     parser.add_argument("--budgets", default=None, help="speed: e.g. full,4096; locality: 1024,2048")
     parser.add_argument("--budget", type=int, default=None, help="one budget, tokens")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
-    parser.add_argument("--kv-dtypes", default="auto", help="speed: KV dtypes in turn, e.g. auto,fp8_e4m3")
+    parser.add_argument("--kv-dtypes", default=None,
+                        help="speed, filled: KV dtypes in turn, e.g. auto,fp8_e4m3")
     parser.add_argument("--layer-kernels", default="",
                         help="speed: decoder kernels in turn, e.g. reference,triton "
                              "(default: the engine's own choice)")
@@ -148,6 +168,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--ctx", default=None, help="locality, profile, reuse: context tokens")
     parser.add_argument("--model", default=None,
                         help="locality, reuse: a GGUF file or model folder, or a shape name")
+    parser.add_argument("--shape", default=None, help="filled: a model shape (common.SHAPES)")
+    parser.add_argument("--groups", default="auto",
+                        help="filled: Quest's two-level selection auto (the policy's rule), on or "
+                             "off, or several in turn: off,on")
 
 
 def cases(options) -> Iterator[tuple[dict, object]]:
@@ -190,12 +214,14 @@ def pipelined_steps(core: EngineCore, steps: int) -> list[float]:
     return times[1:]
 
 
-def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto") -> None:
+def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto",
+               **policy) -> None:
+    """The engine's Quest runtime given `budget` (and other `policy` fields), its graphs
+    captured again."""
     from astream.executor.build import build_graphs
     from astream.ops.layer_kernels import LayerKernels
     runtime = core.runner.policy
-    runtime.policy = QuestPolicy(budget_tokens=budget, dense_layers=runtime.policy.dense_layers,
-                                 reuse_pages=runtime.policy.reuse_pages)
+    runtime.policy = dataclasses.replace(runtime.policy, budget_tokens=budget, **policy)
     runtime.traits = dataclasses.replace(runtime.traits, select_above=budget)
     core.runner.decoder.kernels = LayerKernels(kernels)
     # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
@@ -275,7 +301,7 @@ def speed_cases(o):
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
     if o.cases:
-        resident_cases = offload_cases = [tuple(map(int, c.split("x"))) for c in o.cases.split(",")]
+        resident_cases = offload_cases = parse_cases(o.cases)
     for kv in o.kv_dtypes.split(","):
         kv_base = {**base, "kv_cache_dtype": kv}
         if "resident" not in o.skip:
@@ -937,7 +963,97 @@ def reuse_cases(o):
            partial(reuse_row, o, model, ctx, **engine))
 
 
+# ---------------------------------------------------------------- decode over a filled cache
+
+GROUPS = {"auto": {}, "on": {"group_above_pages": 0}, "off": {"group_above_pages": 1 << 62}}
+GiB = 2**30
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    return [tuple(map(int, c.split("x"))) for c in text.split(",")]
+
+
+def pool_figures(core: EngineCore, engine_s: float) -> dict:
+    """The memory plan, and what was measured: host memory pinned, device memory in use."""
+    pool = core.runner.offload.host_pool
+    memory = core.plan.memory
+    info = {"plan": memory.describe(), "plan_host_gib": round(memory.host_pool / GiB, 2),
+            "plan_device_gib": round(memory.device_total / GiB, 2),
+            "host_pinned_gib": round(pool.nbytes / GiB, 2) if pool.pieces else 0.0,
+            "pool_pieces": pool.pieces, "pool_alloc_s": round(pool.seconds, 2),
+            "engine_s": round(engine_s, 2)}
+    if torch.cuda.is_available() and core.runtime.is_cuda:
+        free, total = torch.cuda.mem_get_info(core.runtime.device)
+        info.update(device_used_gib=round((total - free) / GiB, 2),
+                    device_allocated_gib=round(torch.cuda.max_memory_allocated() / GiB, 2))
+    return info
+
+
+def filled_row(core: EngineCore, steps: int, prefill_s: float, info: dict) -> dict:
+    before = core.stats()
+    row = measure_steps(core, steps, prefill_s)
+    after = core.stats()
+    layer = -1                                     # a sparse layer: pages per selection there
+    picks = after["quest_pages_read"][layer] - before["quest_pages_read"][layer]
+    rows = after["quest_selections"][layer] - before["quest_selections"][layer]
+    # Every selection reads exactly the budget's pages (the contexts pass it).
+    budget_pages = core.runner.policy.policy.budget_pages
+    row["info"].update(info, pages_per_selection=round(picks / max(rows, 1), 2),
+                       ok=rows > 0 and picks == rows * budget_pages)
+    return row
+
+
+def filled_cases(o):
+    """`filled`: decode steps over contexts written straight into the host pool (kv_fill),
+    one engine per (kv dtype, case), sized by the engine itself from max_model_len = the
+    case's context; the prompt is that context less one block, whose prefill is the first
+    step (it attends to the whole context)."""
+    from kv_fill import fill_prefix
+    smoke = o.smoke
+    groups = o.groups.split(",")
+    budgets = [int(b) for b in o.budgets.split(",")]
+    for kv in o.kv_dtypes.split(","):
+        for ctx, batch in parse_cases(o.cases):
+            # The tiny shape's 64-token blocks hold one group of 4 pages: every path is on.
+            config = EngineConfig(
+                model=str(shaped_model(o.shape, max_positions=ctx)), load_format="dummy",
+                tokenizer=o.tokenizer or smollm2(), device=o.device,
+                dtype="float32" if o.device == "cpu" else "bfloat16", offload=True,
+                kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx,
+                max_num_batched_tokens=16384, enforce_eager=o.eager,
+                sparse_policy=QuestPolicy(budget_tokens=max(budgets), dense_layers=1 if smoke else 2,
+                                          **({"group_pages": 4} if o.shape == "tiny" else {})),
+                **({"kv_block_size": 64} if o.shape == "tiny" else {}))
+            start = time.perf_counter()
+            with engine_core(config) as core:
+                info = pool_figures(core, time.perf_counter() - start)
+                block = core.plan.block_size
+                params = SamplingParams(temperature=0.0, max_tokens=block - 1, ignore_eos=True)
+                gen = torch.Generator().manual_seed(ctx)
+                prompts = [torch.randint(100, 49152, (ctx - block,), generator=gen).tolist()
+                           for _ in range(batch)]
+                start = time.perf_counter()
+                filled = [fill_prefix(core, prompt, seed=i) for i, prompt in enumerate(prompts)]
+                info.update(fill_s=round(time.perf_counter() - start, 2), filled_tokens=filled[0])
+                sinks = [core.add_request(f"f{i}", prompt, params) for i, prompt in enumerate(prompts)]
+                start = time.perf_counter()
+                while not all(sink.tokens for sink in sinks):
+                    core.step()
+                core.runtime.synchronize()
+                first_s = time.perf_counter() - start
+                info["prefix_hits"] = core.stats()["prefix_cache_hits"]
+                for budget in budgets:
+                    for group in groups:
+                        set_budget(core, budget, core.runner.decoder.kernels.name, **GROUPS[group])
+                        decode_steps(core, 2)                    # warm-up (and Triton compiles)
+                        yield ({"mode": "offload", "kv": kv, "context": ctx, "batch": batch,
+                                "budget": budget, "groups": group},
+                               partial(filled_row, core, o.steps, first_s, dict(info)))
+                for i in range(batch):
+                    core.abort(f"f{i}")
+
+
 SECTION_CASES = {"speed": speed_cases, "kernels": kernels_cases,
                  "kernel_sweep": kernel_sweep_cases, "layouts": layouts_cases,
                  "select_sweep": select_sweep_cases, "locality": locality_cases,
-                 "profile": profile_cases, "reuse": reuse_cases}
+                 "profile": profile_cases, "reuse": reuse_cases, "filled": filled_cases}

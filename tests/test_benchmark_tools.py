@@ -101,6 +101,8 @@ SMOKE_SECTIONS = {
     "locality": ["--ctx", "300"],
     "profile": [],
     "reuse": ["--ctx", "300", "--steps", "3"],
+    # Contexts written straight into the host pool, the two-level selection on and off.
+    "filled": ["--cases", "1024x2", "--groups", "off,on", "--steps", "2"],
 }
 
 
@@ -143,3 +145,36 @@ def test_the_harness_pools_repeats_and_fails_a_row_marked_not_ok(tmp_path, monke
     assert row["figures"]["ms"] == {"min": 1.0, "median": 3.0, "max": 5.0,
                                     "values": [[3.0, 1.0], [2.0], [5.0, 4.0]]}
     assert row["info"] == {"ok": False, "note": "x"}
+
+
+def test_a_filled_prefix_has_the_bounds_prefill_would_give_and_is_taken_as_cached(tmp_path):
+    """kv_fill writes random KV into the host pool; the Quest page and group bounds are those
+    of the stored keys, and a request for the prompt takes every filled block as cached."""
+    import torch
+    from common import engine_core, shaped_model, smollm2
+    from kv_fill import fill_prefix
+
+    from astream.base.config import EngineConfig
+    from astream.base.sampling import SamplingParams
+    from astream.ops import quest
+    from astream.policies import QuestPolicy
+    config = EngineConfig(model=str(shaped_model("tiny", 1024, root=tmp_path)), load_format="dummy",
+                          tokenizer=smollm2(), device="cpu", dtype="float32", offload=True,
+                          kv_cache_dtype="fp8_e4m3", kv_block_size=64, max_num_seqs=1,
+                          max_model_len=1024, sparse_policy=QuestPolicy(budget_tokens=128,
+                                                                        dense_layers=1, group_pages=4))
+    with engine_core(config) as core:
+        prompt = list(range(100, 100 + 960))
+        assert fill_prefix(core, prompt) == 896
+        runtime, engine = core.runner.policy, core.runner.offload
+        ids = torch.arange(896 // 64)
+        keys = engine.host_k[1][ids].transpose(1, 2)                # token-major blocks
+        for bounds, page in ((runtime.bounds[1], 16), (runtime.groups[1], 64)):
+            want = quest.bounds_of_blocks(keys, page)
+            pages = ids.numel() * 64 // page
+            assert all(torch.equal(b[:pages].float(), w.float()) for b, w in zip(bounds, want))
+        sink = core.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        while len(sink.tokens) < 3:
+            core.step()
+        stats = core.stats()
+        assert stats["prefix_cache_hits"] == 14 and sum(stats["quest_selections"]) > 0

@@ -120,28 +120,32 @@ def check_triton_ties_and_near_ties(device: str) -> int:
 
 def check_triton_bounds(device: str) -> int:
     """The bounds kernel against the reference: prefill runs, decode rows, padding, reuse;
-    bounds in the model's dtype, and of fp8 caches' stored keys."""
+    bounds in the model's dtype, and of fp8 caches' stored keys; pages of 16 tokens, and
+    of 32 (a group of two pages: more rows than one pass of the kernel takes)."""
     from astream.ops import triton_quest_select as tqs
     gen = torch.Generator().manual_seed(4)
-    shape = dict(num_blocks=8, block_size=32, kv_heads=2, head_dim=24, page_size=16)
     model_dtype = bf16 if device == "cuda" else f16       # the interpreter truncates to bfloat16
     steps = [list(range(64, 100)) + list(range(160, 165)),       # two prefill runs
              list(range(100, 120)),                               # a chunk from mid-page
              [120, 165, 7 * 32, 7 * 32, 7 * 32],                  # decode rows + padding
              list(range(64, 70))]                                 # a freed block reused
-    for dtype in (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2):
-        ref = quest.allocate_page_bounds(**shape, dtype=dtype, device="cpu")
-        mine = tuple(t.to(device) for t in quest.allocate_page_bounds(**shape, dtype=dtype,
-                                                                      device="cpu"))
-        for slots in steps:
-            keys = (torch.randn(len(slots), 2, 24, generator=gen) * 20).to(dtype)
-            slots = torch.tensor(slots)
-            quest.update_page_bounds(*ref, keys, slots, 16)
-            tqs.update_page_bounds_triton(*mine, keys.to(device), slots.to(device), 16)
-            live = slice(0, 7 * 2)              # pages of blocks 0-6: the scratch block 7 may differ
-            for got, want in zip(mine, ref):
-                assert torch.equal(got.cpu()[live].float(), want[live].float()), dtype
-    return 3
+    n = 0
+    for page in (16, 32):
+        shape = dict(num_blocks=8, block_size=32, kv_heads=2, head_dim=24, page_size=page)
+        for dtype in (model_dtype, torch.float8_e4m3fn, torch.float8_e5m2):
+            ref = quest.allocate_page_bounds(**shape, dtype=dtype, device="cpu")
+            mine = tuple(t.to(device) for t in quest.allocate_page_bounds(**shape, dtype=dtype,
+                                                                          device="cpu"))
+            for slots in steps:
+                keys = (torch.randn(len(slots), 2, 24, generator=gen) * 20).to(dtype)
+                slots = torch.tensor(slots)
+                quest.update_page_bounds(*ref, keys, slots, page)
+                tqs.update_page_bounds_triton(*mine, keys.to(device), slots.to(device), page)
+                live = slice(0, 7 * 32 // page)   # pages of blocks 0-6: the scratch block may differ
+                for got, want in zip(mine, ref):
+                    assert torch.equal(got.cpu()[live].float(), want[live].float()), (page, dtype)
+            n += 1
+    return n
 
 
 def check_triton_fp8_bounds_scores(device: str) -> int:
@@ -165,7 +169,7 @@ def check_triton_fp8_bounds_scores(device: str) -> int:
     return n
 
 
-N_TRITON_CASES = 4 * len(FUSED_CASES) + 4 + 16 + 2
+N_TRITON_CASES = 4 * len(FUSED_CASES) + 1 + 6 + 16 + 2
 
 
 def test_register_head_pads_little_and_rereads_little():

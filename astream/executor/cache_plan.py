@@ -4,6 +4,8 @@ CachePlan, after the weights are on the device."""
 
 from __future__ import annotations
 
+import logging
+
 from astream.base.config import EngineConfig
 from astream.kvcache.kv_format import KVFormat
 from astream.kvcache.sizing import CachePlan, CacheSpec, plan_cache
@@ -11,22 +13,26 @@ from astream.models.config import ModelConfig
 from astream.models.decoder import Decoder
 from astream.policies import SparsePolicy
 
+log = logging.getLogger("astream")
+
 
 def plan_runner_cache(config: EngineConfig, decoder: Decoder, policy: SparsePolicy,
                       fmt: KVFormat) -> CachePlan:
     model = decoder.config
-    overhead = _device_kv_overhead(policy, model.num_layers, config.offload)
-    spec = _cache_spec(config, overhead, policy.sparse_prefill,
-                       _decode_buffer_bytes(policy, model, config, fmt.element_size))
-    return plan_cache(spec, model, decoder.dtype, decoder.device, fmt.dtype)
+    plan = plan_cache(cache_spec(config, model, policy, fmt.element_size), model, decoder.dtype,
+                      decoder.device, fmt.dtype)
+    log.info("astream: memory plan: %s", plan.memory.describe())
+    return plan
 
 
-def _device_kv_overhead(policy: SparsePolicy, num_layers: int, offload: bool) -> float:
-    """Device bytes per byte of KV in the cache beyond the cache itself: the policy's
-    metadata (kept in the cache's element type) and, with offload, the layers whose KV it
-    keeps on the device as well."""
-    mirrored = len(policy.offload_device_layers(num_layers)) / num_layers if offload else 0.0
-    return policy.kv_overhead(num_layers) + mirrored
+def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
+               kv_element_size: int) -> CacheSpec:
+    """The cache an engine with `config` and `policy` asks for (plan it with plan_cache): the
+    policy's device metadata (kept in the cache's element type, per byte of KV) and, with
+    offload, the layers whose KV it keeps on the device as well and its decode buffers."""
+    device_layers = len(policy.offload_device_layers(model.num_layers)) if config.offload else 0
+    return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
+                       _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers)
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
@@ -43,7 +49,7 @@ def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: Engin
 
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
-                device_reserve_bytes: int = 0) -> CacheSpec:
+                device_reserve_bytes: int = 0, device_layers: int = 0) -> CacheSpec:
     """Under tensor parallelism each rank plans its own shard's cache: its share of
     `offload_host_gib`, and of this host's RAM with the other ranks that pin pools in it."""
     ranks = config.tensor_parallel_size
@@ -54,6 +60,6 @@ def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool =
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=host_gib,
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
-        kv_overhead=kv_overhead, whole_prefix=sparse_prefill and config.offload,
+        kv_overhead=kv_overhead, device_layers=device_layers, whole_prefix=sparse_prefill and config.offload,
         device_reserve_bytes=device_reserve_bytes,
         host_ranks=config.ranks_per_node)

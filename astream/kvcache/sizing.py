@@ -3,6 +3,9 @@
 Without offload the blocks live on the device and fill the memory the weights
 leave. With offload they live in host memory, and the device keeps only a ring
 of layer buffers, a staging buffer for new KV and one tail block per sequence.
+Every plan says where its memory goes (`MemoryPlan`), from shapes alone: planning
+allocates nothing, and given the memory there is (`MemoryAvailable`) it runs on any
+machine.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from astream.ops.backends import CUDNN_SHAPE_STEP
 
 _MiB, _GiB = 2**20, 2**30
 _SLOT_TOKENS = 65536
+HOST_RESERVE = 8 * _GiB        # host memory an explicit max_model_len's pool leaves at least
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,6 +40,7 @@ class CacheSpec:
     offload_ring_slots: int = 3
     offload_slot_tokens: int | None = None
     kv_overhead: float = 0.0        # device bytes of policy metadata per byte of KV in the cache
+    device_layers: int = 0          # with offload: layers whose KV the device keeps a copy of
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
     host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
@@ -49,17 +54,74 @@ class OffloadPlan:
 
 
 @dataclass(slots=True, frozen=True)
+class MemoryAvailable:
+    """The memory a plan may use, in bytes: measured when not given (device figures on CUDA
+    only), given to plan for another machine without touching one."""
+
+    device_free: int = 0
+    device_total: int = 0
+    host: int = 0
+
+    @classmethod
+    def measure(cls, device: torch.device) -> "MemoryAvailable":
+        free, total = torch.cuda.mem_get_info(device) if device.type == "cuda" else (0, 0)
+        return cls(free, total, _host_available_bytes())
+
+
+@dataclass(slots=True, frozen=True)
+class MemoryPlan:
+    """Where a cache plan's memory goes, in bytes (docs/ENGINE.md, "Memory plan").
+
+    Host: the KV pool (offload). Device: the weights (dense, in the model's dtype), the KV
+    kept there (the whole cache, or with offload the device layers' copy), the offload
+    buffers (ring, staging, tails), the policy's metadata (Quest's page and group bounds),
+    its decode buffers, packed prefixes (sparse prefill with offload), and the reserve for
+    one step's activations.
+    """
+
+    host_pool: int = 0
+    weights: int = 0
+    device_kv: int = 0
+    ring: int = 0
+    staging: int = 0
+    tails: int = 0
+    policy_metadata: int = 0
+    decode_buffers: int = 0
+    prefix_buffers: int = 0
+    activations: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return (self.weights + self.device_kv + self.ring + self.staging + self.tails
+                + self.policy_metadata + self.decode_buffers + self.prefix_buffers
+                + self.activations)
+
+    def describe(self) -> str:
+        """One line: host pool, device total, and each device part, in GiB."""
+        parts = ("weights", "device_kv", "ring", "staging", "tails", "policy_metadata",
+                 "decode_buffers", "prefix_buffers", "activations")
+        shown = ", ".join(f"{name} {getattr(self, name) / _GiB:.2f}" for name in parts
+                          if getattr(self, name))
+        return (f"host pinned {self.host_pool / _GiB:.2f} GiB, device {self.device_total / _GiB:.2f} "
+                f"GiB ({shown})")
+
+
+@dataclass(slots=True, frozen=True)
 class CachePlan:
     num_blocks: int                # KV blocks in the cache (host pool when offloading)
     block_size: int
     max_model_len: int
     max_num_batched_tokens: int
     offload: OffloadPlan | None = None
+    memory: MemoryPlan = MemoryPlan()
 
 
 def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-               kv_dtype: torch.dtype | None = None) -> CachePlan:
-    """`dtype` is the model's, `kv_dtype` the cache's (default: the model's)."""
+               kv_dtype: torch.dtype | None = None,
+               available: MemoryAvailable | None = None) -> CachePlan:
+    """`dtype` is the model's, `kv_dtype` the cache's (default: the model's). `available`:
+    the memory to plan with (default: measured here; the device's free bytes then count
+    the weights already loaded as used)."""
     check_max_model_len(cfg.max_model_len, model)
     block = cfg.block_size
     max_len = cfg.max_model_len or model.max_position_embeddings
@@ -68,16 +130,57 @@ def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: t
     block_bytes = model.kv_bytes_per_token * block * _element_size(kv_dtype)
     if cfg.offload:
         budget = max(budget, cfg.max_num_seqs + block)     # room for a whole block after decodes
-        blocks = cfg.num_kv_blocks or _host_blocks(cfg, max_len, block, block_bytes)
+        blocks = cfg.num_kv_blocks or _host_blocks(cfg, max_len, block, block_bytes, available)
     else:
         blocks = cfg.num_kv_blocks or _device_blocks(cfg, model, dtype, device, budget,
-                                                     int(block_bytes * (1 + cfg.kv_overhead)))
+                                                     int(block_bytes * (1 + cfg.kv_overhead)),
+                                                     available)
     max_len = _fit_max_len(cfg, blocks, block, max_len, "host KV pool" if cfg.offload else "KV cache")
+    metadata = int(blocks * block_bytes * cfg.kv_overhead)
     offload = None
     if cfg.offload:     # the policy's metadata of the host pool's blocks lives on the device
-        metadata = int(blocks * block_bytes * cfg.kv_overhead)
-        offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata, kv_dtype)
-    return CachePlan(blocks, block, max_len, budget, offload)
+        mirrored = cfg.device_layers * blocks * (block_bytes // model.num_layers)
+        offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata + mirrored,
+                                kv_dtype, available)
+    memory = memory_plan(cfg, model, dtype, kv_dtype, blocks, budget, max_len, offload)
+    return CachePlan(blocks, block, max_len, budget, offload, memory)
+
+
+def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
+                blocks: int, budget: int, max_len: int, offload: OffloadPlan | None) -> MemoryPlan:
+    """The bytes of a plan's parts (the formula in docs/ENGINE.md, "Memory plan")."""
+    block_bytes = model.kv_bytes_per_token * cfg.block_size * _element_size(kv_dtype)
+    layer_block_bytes = block_bytes // model.num_layers
+    common = dict(weights=weight_bytes(model, dtype),
+                  policy_metadata=int(blocks * block_bytes * cfg.kv_overhead),
+                  activations=_activation_bytes(model, budget, cfg.max_num_seqs, dtype))
+    if offload is None:
+        return MemoryPlan(device_kv=blocks * block_bytes, **common)
+    prefix = 0
+    if cfg.whole_prefix:
+        packed = layer_block_bytes * _element_size(dtype) // _element_size(kv_dtype)
+        prefix = 2 * -(-max_len // cfg.block_size) * packed + CONTEXT_STAGE_BLOCKS * layer_block_bytes
+    return MemoryPlan(
+        host_pool=blocks * block_bytes, device_kv=cfg.device_layers * blocks * layer_block_bytes,
+        ring=offload.num_slots * offload.slot_blocks * layer_block_bytes,
+        staging=2 * offload.staging_blocks * layer_block_bytes,
+        tails=model.num_layers * (cfg.max_num_seqs + 1) * layer_block_bytes,
+        decode_buffers=cfg.device_reserve_bytes, prefix_buffers=prefix, **common)
+
+
+def weight_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights held densely in `dtype`, with the rotary tables (cos and
+    sin of every position up to max_position_embeddings: 512 MiB at a million)."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    hidden = model.hidden_size
+    layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * model.intermediate_size + 2 * hidden
+    if model.qkv_bias:
+        layer += q + 2 * kv
+    if model.qk_norm:
+        layer += 2 * model.head_dim
+    embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
+    rope = 2 * model.max_position_embeddings * model.head_dim
+    return (model.num_layers * layer + embeddings + hidden + rope) * _element_size(dtype)
 
 
 def check_max_model_len(max_model_len: int | None, model: ModelConfig) -> None:
@@ -106,9 +209,9 @@ def _default_budget(cfg: CacheSpec, device: torch.device) -> int:
 
 
 def _device_blocks(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   budget_tokens: int, block_bytes: int) -> int:
+                   budget_tokens: int, block_bytes: int, memory: MemoryAvailable | None) -> int:
     if device.type == "cuda":
-        available = _free_device_bytes(cfg, model, dtype, device, budget_tokens)
+        available = _free_device_bytes(cfg, model, dtype, device, budget_tokens, memory)
     else:
         available = int(cfg.cpu_kv_cache_gib * _GiB)
     blocks = available // block_bytes
@@ -119,16 +222,25 @@ def _device_blocks(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, devic
     return int(blocks)
 
 
-def _host_blocks(cfg: CacheSpec, max_len: int, block: int, block_bytes: int) -> int:
+def _host_blocks(cfg: CacheSpec, max_len: int, block: int, block_bytes: int,
+                 memory: MemoryAvailable | None) -> int:
+    """`offload_host_gib`, else what max_num_seqs full sequences need, within half the host
+    memory available; an explicit max_model_len gets one whole sequence even past that half,
+    up to all but HOST_RESERVE of it (a million tokens of Qwen3-4B's fp8 KV: 72 GiB)."""
     if cfg.offload_host_gib is not None:
         return max(1, int(cfg.offload_host_gib * _GiB) // block_bytes)
-    wanted = cfg.max_num_seqs * -(-max_len // block)
-    affordable = int(_host_available_bytes() * 0.5) // cfg.host_ranks // block_bytes
-    return max(1, min(wanted, affordable))
+    per_seq = -(-max_len // block)
+    host = memory.host if memory is not None else _host_available_bytes()
+    affordable = int(host * 0.5) // cfg.host_ranks // block_bytes
+    if cfg.max_model_len:
+        most = max(0, host - max(HOST_RESERVE, host // 8)) // cfg.host_ranks // block_bytes
+        affordable = max(affordable, min(per_seq, most))
+    return max(1, min(cfg.max_num_seqs * per_seq, affordable))
 
 
 def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  budget: int, max_len: int, metadata_bytes: int, kv_dtype: torch.dtype) -> OffloadPlan:
+                  budget: int, max_len: int, metadata_bytes: int, kv_dtype: torch.dtype,
+                  memory: MemoryAvailable | None) -> OffloadPlan:
     block = cfg.block_size
     slots = cfg.offload_ring_slots
     layer_block_bytes = model.kv_bytes_per_token // model.num_layers * block * _element_size(kv_dtype)
@@ -146,7 +258,7 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
         if cfg.whole_prefix:     # two max_model_len contexts packed, and one staged prefix piece
             fixed += 2 * -(-max_len // block) * packed_block_bytes \
                 + CONTEXT_STAGE_BLOCKS * layer_block_bytes
-        spare = _free_device_bytes(cfg, model, dtype, device, budget) - fixed
+        spare = _free_device_bytes(cfg, model, dtype, device, budget, memory) - fixed
         slot_blocks = _whole_shape_steps(min(wanted, max(spare, 0) // (slots * layer_block_bytes)),
                                          block)
     else:
@@ -170,8 +282,10 @@ def _whole_shape_steps(blocks: int, block: int) -> int:
 
 
 def _free_device_bytes(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
-                       device: torch.device, budget_tokens: int) -> int:
-    free, total = torch.cuda.mem_get_info(device)
+                       device: torch.device, budget_tokens: int,
+                       memory: MemoryAvailable | None = None) -> int:
+    free, total = ((memory.device_free, memory.device_total) if memory is not None
+                   else torch.cuda.mem_get_info(device))
     reserve = _activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)
     return int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
 

@@ -8,6 +8,13 @@ Triton kernels (astream.ops.triton_quest_select); `select_decode_pages_ref` comp
 torch references below, which the tests also check one by one against brute force.
 No op here reads a device value on the host; every output shape follows from input
 shapes and host ints, so all of them run inside a captured CUDA graph.
+
+`select_decode_pages_grouped` is the same choice in two levels, for long contexts: the
+group bounds (min / max over `group_pages` consecutive pages of a block, kept as page
+bounds with a page of page_size * group_pages tokens) pick the top groups by the same
+upper-bound score (sink and recent groups forced), then the top pages among theirs. A
+step then scores ~1/group_pages of the pages plus the candidates, not every page; with
+groups that cover the context it picks exactly what the one-level selection picks.
 """
 
 from __future__ import annotations
@@ -65,6 +72,14 @@ def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables:
                                        block_size=block_size, page_size=page_size)
     scores = page_scores_ref(q, kmin, kmax, ids, num_pages, gqa_reduce=gqa_reduce)
     indices, counts = select_pages(scores, num_pages, budget_pages, sink_pages, recent_pages)
+    return _finish_selection(indices, counts, block_tables, context_lens, block_size, page_size,
+                             append_newest, physical, counters)
+
+
+def _finish_selection(indices: Tensor, counts: Tensor, block_tables: Tensor, context_lens: Tensor,
+                      block_size: int, page_size: int, append_newest: bool, physical: bool,
+                      counters: Tensor | None) -> Selection:
+    """Count the picks, add the newest block's pages, map them to physical pages if asked."""
     if counters is not None:
         counters[0] += counts.sum()
         counters[1] += counts.numel()
@@ -147,16 +162,9 @@ def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_page
     k = min(budget_pages, n_pages)
     top = torch.topk(ranked, k, dim=-1, sorted=False).indices
     counts = limit.view(-1, 1).clamp(max=budget_pages).expand(scores.shape[:2])
-    slot = torch.arange(k, device=scores.device)
     # After sorting, the real picks come first; pads take the last real one.
     keyed = torch.where(top < limit, top, n_pages)  # -inf picks are exactly the pages >= limit
-    ordered = keyed.sort(dim=-1).values
-    last = ordered.gather(-1, (counts - 1).clamp(min=0).unsqueeze(-1))
-    last = torch.where(last < n_pages, last, 0)
-    ordered = torch.where(slot < counts.unsqueeze(-1), ordered, last)
-    if k < budget_pages:
-        ordered = torch.cat([ordered, last.expand(*ordered.shape[:2], budget_pages - k)], -1)
-    return ordered.to(torch.int32), counts.to(torch.int32).contiguous()
+    return _ascending(keyed.sort(dim=-1).values, counts, budget_pages, n_pages)
 
 
 def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, block_size: int,
@@ -177,3 +185,93 @@ def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, bloc
     padded = torch.cat([indices, indices[..., -1:].expand(batch, kv_heads, ppb)], dim=-1).long()
     merged = torch.where(pos < real, padded, newest)
     return merged.to(torch.int32), (counts + ppb).to(torch.int32)
+
+
+def group_budget(budget_pages: int, group_pages: int, group_factor: int) -> int:
+    """Groups the first level keeps: their pages hold group_factor x the budget, plus one
+    group for a partial last group, so the candidates always hold the budget's pages."""
+    return -(-budget_pages * group_factor // group_pages) + 1
+
+
+def group_forced(sink_pages: int, recent_pages: int, group_pages: int) -> tuple[int, int]:
+    """(sink, recent) groups the first level keeps whatever their scores: those holding
+    the forced pages (the last group may hold fewer than group_pages of the recent ones)."""
+    return -(-sink_pages // group_pages), (-(-recent_pages // group_pages) + 1 if recent_pages else 0)
+
+
+def select_decode_pages_grouped(q: Tensor, kmin: Tensor, kmax: Tensor, gmin: Tensor, gmax: Tensor,
+                                block_tables: Tensor, context_lens: Tensor, *, max_pages: int,
+                                block_size: int, page_size: int, group_pages: int,
+                                group_factor: int, budget_pages: int, sink_pages: int = 1,
+                                recent_pages: int = 1, gqa_reduce: str = "max",
+                                append_newest: bool = False, physical: bool = False,
+                                counters: Tensor | None = None) -> Selection:
+    """`select_decode_pages`'s contract, chosen in two levels. gmin, gmax [pages /
+    group_pages, KVH, D]: bounds of groups of `group_pages` pages (group_pages divides
+    block_size // page_size; `ops.quest.update_page_bounds` keeps them with a page of
+    page_size * group_pages tokens). The first level is `select_decode_pages` over the
+    groups (Triton on CUDA), keeping `group_budget` of them; the second scores their pages
+    and keeps the top budget_pages, sink and recent pages forced, as `select_pages` does.
+    """
+    _check_selection(budget_pages, sink_pages, recent_pages, gqa_reduce, block_size, page_size)
+    ppb = pages_per_block(block_size, page_size)
+    if group_pages < 1 or ppb % group_pages:
+        raise ValueError(f"group_pages {group_pages} does not divide the {ppb} pages of a block")
+    wanted = group_budget(budget_pages, group_pages, group_factor)
+    sink_groups, recent_groups = group_forced(sink_pages, recent_pages, group_pages)
+    groups = select_decode_pages(
+        q, gmin, gmax, block_tables, context_lens, max_pages=-(-max_pages // group_pages),
+        block_size=block_size, page_size=page_size * group_pages,
+        budget_pages=max(wanted, sink_groups + recent_groups, 1), sink_pages=sink_groups,
+        recent_pages=recent_groups, gqa_reduce=gqa_reduce, physical=True)
+    num_pages = torch.div(context_lens + page_size - 1, page_size, rounding_mode="floor")
+    indices, counts = _select_in_groups(q, kmin, kmax, groups, num_pages, group_pages,
+                                        budget_pages, sink_pages, recent_pages, gqa_reduce)
+    return _finish_selection(indices, counts, block_tables, context_lens, block_size, page_size,
+                             append_newest, physical, counters)
+
+
+def _select_in_groups(q: Tensor, kmin: Tensor, kmax: Tensor, groups: Selection, num_pages: Tensor,
+                      group_pages: int, budget_pages: int, sink_pages: int, recent_pages: int,
+                      gqa_reduce: str) -> tuple[Tensor, Tensor]:
+    """The second level: the top pages among the chosen groups' -> (indices, counts) as
+    `select_pages` returns them."""
+    batch, n_heads, head_dim = q.shape
+    kv_heads, width = groups.indices.shape[1:]
+    inner = torch.arange(group_pages, device=q.device)
+    pages = (groups.indices.long().unsqueeze(-1) * group_pages + inner).flatten(2)  # [B, KVH, C]
+    limit = num_pages.view(-1, 1, 1).long()
+    real = (torch.arange(width, device=q.device) < groups.counts.unsqueeze(-1))
+    valid = real.unsqueeze(-1).expand(-1, -1, -1, group_pages).flatten(2) & (pages < limit)
+    ids = torch.where(valid, (groups.physical.unsqueeze(-1) * group_pages + inner).flatten(2), 0)
+    heads = torch.arange(kv_heads, device=q.device).view(1, -1, 1)
+    qg = q.float().view(batch, kv_heads, n_heads // kv_heads, head_dim)
+    # max(q*lo, q*hi) = q+ * hi + q- * lo, as page_scores_ref.
+    scores = (torch.einsum("bkgd,bkcd->bkgc", qg.clamp(min=0), kmax[ids, heads].float())
+              + torch.einsum("bkgd,bkcd->bkgc", qg.clamp(max=0), kmin[ids, heads].float()))
+    scores = scores.amax(dim=2) if gqa_reduce == "max" else scores.sum(dim=2)
+    lowest = torch.finfo(torch.float32).min
+    ranked = scores.nan_to_num(nan=lowest, posinf=-lowest, neginf=lowest)
+    forced = (pages < sink_pages) | (pages >= limit - recent_pages)
+    ranked = torch.where(forced, float("inf"), ranked)
+    ranked = torch.where(valid, ranked, float("-inf"))
+    k = min(budget_pages, ranked.shape[-1])
+    top = torch.topk(ranked, k, dim=-1, sorted=False).indices
+    counts = limit.view(-1, 1).clamp(max=budget_pages).expand(batch, kv_heads)
+    # Invalid picks (only where fewer real pages than the budget exist) sort last.
+    past = torch.iinfo(torch.int64).max
+    keyed = torch.where(valid.gather(-1, top), pages.gather(-1, top), past)
+    return _ascending(keyed.sort(dim=-1).values, counts, budget_pages, past)
+
+
+def _ascending(ordered: Tensor, counts: Tensor, budget_pages: int, past: int) -> tuple[Tensor, Tensor]:
+    """Sorted picks [B, KVH, k] (entries >= past are none) -> indices [B, KVH, budget_pages]
+    int32, the first counts real, then the last real one repeated (0 when there is none)."""
+    last = ordered.gather(-1, (counts - 1).clamp(min=0).unsqueeze(-1))
+    last = torch.where(last < past, last, 0)
+    slot = torch.arange(ordered.shape[-1], device=ordered.device)
+    ordered = torch.where(slot < counts.unsqueeze(-1), ordered, last)
+    if ordered.shape[-1] < budget_pages:
+        ordered = torch.cat([ordered, last.expand(*ordered.shape[:2],
+                                                  budget_pages - ordered.shape[-1])], -1)
+    return ordered.to(torch.int32), counts.to(torch.int32).contiguous()

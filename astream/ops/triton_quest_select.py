@@ -3,7 +3,8 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
 (selection) and astream.ops.quest (bounds).
 
 - bounds update: grid (token, KV head). The first new token of each page folds all of
-  that page's new tokens into its bounds, so a prefill chunk's tokens never race.
+  that page's new tokens into its bounds, so a prefill chunk's tokens never race (the
+  same kernel keeps the bounds of groups of pages, as pages of group_pages x the tokens).
 - table scores: grid (batch, KV head, page tile). Logical page -> physical page through
   the block table in the kernel; bounds are widened to q's dtype (exactly, from fp8) and
   go through the tensor cores with q+ and q-, which are exact in it.
@@ -26,6 +27,7 @@ from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
 from astream.ops.triton_pages import group_tile
 
 SCORE_BLOCK_P = 64      # pages per score program
+UPDATE_ROWS = 16        # key rows per pass of the bounds update
 SELECT_TAIL = 1024      # scores per step of the select kernel's passes past its register head
 MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
 # Bisection bounds on the int32 keys: below every key, and above every key.
@@ -37,7 +39,7 @@ ABOVE_KEYS = tl.constexpr(2147483648)
 def _update_bounds_kernel(
     kmin_ptr, kmax_ptr, keys_ptr, slots_ptr, n_tokens,
     stride_np, stride_nh, stride_xp, stride_xh, stride_kt, stride_kh,
-    PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    PAGE: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -46,16 +48,21 @@ def _update_bounds_kernel(
     prev = tl.load(slots_ptr + tl.maximum(t - 1, 0)).to(tl.int64) // PAGE
     # A page's new tokens are consecutive rows (one sequence's run of ascending slots).
     if (t == 0) | (prev != page):
-        rows = t + tl.arange(0, PAGE)
-        in_range = rows < n_tokens
-        row_slots = tl.load(slots_ptr + rows, mask=in_range, other=0).to(tl.int64)
-        same = in_range & (row_slots // PAGE == page)
         dims = tl.arange(0, D_PAD)
-        mask = _dim_mask(same, dims, HEAD_DIM, D_PAD)
-        keys = tl.load(keys_ptr + rows[:, None] * stride_kt + h * stride_kh + dims[None, :],
-                       mask=mask, other=0.0).to(kmin_ptr.dtype.element_ty).to(tl.float32)
-        lo = tl.min(tl.where(mask, keys, float("inf")), axis=0)
-        hi = tl.max(tl.where(mask, keys, float("-inf")), axis=0)
+        lo = tl.full([D_PAD], float("inf"), tl.float32)
+        hi = tl.full([D_PAD], float("-inf"), tl.float32)
+        # ROWS at a time: a group of pages (Quest's two-level selection) is a page of
+        # hundreds of tokens.
+        for first in range(0, PAGE, ROWS):
+            rows = t + first + tl.arange(0, ROWS)
+            in_range = rows < n_tokens
+            row_slots = tl.load(slots_ptr + rows, mask=in_range, other=0).to(tl.int64)
+            same = in_range & (row_slots // PAGE == page)
+            mask = _dim_mask(same, dims, HEAD_DIM, D_PAD)
+            keys = tl.load(keys_ptr + rows[:, None] * stride_kt + h * stride_kh + dims[None, :],
+                           mask=mask, other=0.0).to(kmin_ptr.dtype.element_ty).to(tl.float32)
+            lo = tl.minimum(lo, tl.min(tl.where(mask, keys, float("inf")), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(mask, keys, float("-inf")), axis=0))
         dim_ok = dims < HEAD_DIM
         min_at = kmin_ptr + page * stride_np + h * stride_nh + dims
         max_at = kmax_ptr + page * stride_xp + h * stride_xh + dims
@@ -257,7 +264,8 @@ def update_page_bounds_triton(kmin: Tensor, kmax: Tensor, keys: Tensor, slots: T
     slots = slots.contiguous()
     _update_bounds_kernel[(n_tokens, kv_heads)](
         kmin, kmax, keys, slots, n_tokens, kmin.stride(0), kmin.stride(1), kmax.stride(0),
-        kmax.stride(1), keys.stride(0), keys.stride(1), PAGE=page_size, HEAD_DIM=head_dim,
+        kmax.stride(1), keys.stride(0), keys.stride(1), PAGE=page_size,
+        ROWS=min(page_size, UPDATE_ROWS), HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), num_warps=1,
     )
 

@@ -190,8 +190,9 @@ class SparsePolicy:
     def bind(self, layout: KVLayout) -> PolicyRuntime:
         return PolicyRuntime()
 
-    def kv_overhead(self, num_layers: int) -> float:
-        """Device bytes of metadata the policy keeps, per byte of KV in the cache."""
+    def kv_overhead(self, num_layers: int, block_size: int = 0) -> float:
+        """Device bytes of metadata the policy keeps, per byte of KV in the cache of blocks
+        of `block_size` tokens (0: not known; then an upper bound)."""
         return 0.0
 
     @property

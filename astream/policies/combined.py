@@ -39,8 +39,9 @@ class CombinedPolicy(SparsePolicy):
     def sparse_prefill(self) -> bool:
         return True
 
-    def kv_overhead(self, num_layers: int) -> float:
-        return self.prefill.kv_overhead(num_layers) + self.decode.kv_overhead(num_layers)
+    def kv_overhead(self, num_layers: int, block_size: int = 0) -> float:
+        return (self.prefill.kv_overhead(num_layers, block_size)
+                + self.decode.kv_overhead(num_layers, block_size))
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         return self.decode.offload_device_layers(num_layers)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from astream.ops import quest as ops
-from astream.ops.quest_select import select_decode_pages
+from astream.ops.quest_select import select_decode_pages, select_decode_pages_grouped
 from astream.policies.base import (
     DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy,
     check_int,
@@ -46,16 +46,22 @@ class QuestPolicy(SparsePolicy):
     recent_pages: int = 1
     gqa_reduce: str = "max"
     reuse_pages: bool = False
+    # Two-level selection above group_above_pages pages (docs/ENGINE.md, Quest): groups of
+    # group_pages pages of a block, kept holding group_factor x the budget's pages.
+    group_pages: int = 16
+    group_above_pages: int = 16384
+    group_factor: int = 4
     name = "quest"
     phase = "decode"
 
     def __post_init__(self) -> None:
-        for key in ("budget_tokens", "page_size"):
+        for key in ("budget_tokens", "page_size", "group_pages", "group_factor"):
             check_int("QuestPolicy", key, getattr(self, key), 1)
-        for key in ("dense_layers", "sink_pages", "recent_pages"):
+        for key in ("dense_layers", "sink_pages", "recent_pages", "group_above_pages"):
             check_int("QuestPolicy", key, getattr(self, key), 0)
-        if self.page_size & (self.page_size - 1):
-            raise ValueError(f"QuestPolicy page_size must be a power of two, got {self.page_size}")
+        for key in ("page_size", "group_pages"):
+            if getattr(self, key) & (getattr(self, key) - 1):
+                raise ValueError(f"QuestPolicy {key} must be a power of two, got {getattr(self, key)}")
         if self.budget_tokens < self.page_size * max(1, self.sink_pages + self.recent_pages):
             raise ValueError(f"QuestPolicy budget_tokens {self.budget_tokens} must hold at least the "
                              f"sink and recent pages ({self.sink_pages + self.recent_pages} of "
@@ -70,9 +76,15 @@ class QuestPolicy(SparsePolicy):
     def budget_pages(self) -> int:
         return self.budget_tokens // self.page_size
 
-    def kv_overhead(self, num_layers: int) -> float:
-        # min and max of K per page: 2 * K / page_size = (K + V) / page_size, on sparse layers.
-        return max(0, num_layers - self.dense_layers) / max(1, num_layers) / self.page_size
+    def kv_overhead(self, num_layers: int, block_size: int = 0) -> float:
+        # min and max of K per page: 2 * K / page_size = (K + V) / page_size, on sparse layers;
+        # and per group of pages, where a block holds whole groups.
+        groups = 1 / self.group_pages if self.keeps_groups(block_size) else 0.0
+        return max(0, num_layers - self.dense_layers) / max(1, num_layers) / self.page_size * (1 + groups)
+
+    def keeps_groups(self, block_size: int) -> bool:
+        """Whether blocks of block_size tokens (0: any) hold whole groups of pages."""
+        return self.group_pages > 1 and block_size % (self.page_size * self.group_pages) == 0
 
     def decode_buffer_tokens(self) -> int:
         return self.budget_tokens if self.reuse_pages else 0
@@ -94,7 +106,12 @@ class QuestPolicy(SparsePolicy):
             watches_keys=bool(sparse), decode_layers=sparse, select_above=self.budget_tokens,
             loads_pages=reuse, device_layers=frozenset(
                 self.offload_device_layers(layout.num_layers) if layout.offload else ()))
-        return QuestRuntime(self, layout, bounds, counters,
+        grouped = self.keeps_groups(layout.block_size)
+        groups = [ops.allocate_page_bounds(layout.num_blocks, layout.block_size, layout.num_kv_heads,
+                                           layout.head_dim, dtype=layout.key_dtype, device=layout.device,
+                                           page_size=self.page_size * self.group_pages)
+                  if grouped and b is not None else None for b in bounds]
+        return QuestRuntime(self, layout, bounds, counters, groups,
                             PageReuse(layout.max_num_seqs, layout.num_layers) if reuse else None,
                             traits=traits)
 
@@ -105,23 +122,33 @@ class QuestRuntime(PolicyRuntime):
     layout: KVLayout
     bounds: list[tuple[Tensor, Tensor] | None]     # per layer (kmin, kmax), None on dense layers
     counters: Tensor                               # [layers, 2]: pages read, (sequence, head) rows
+    groups: list[tuple[Tensor, Tensor] | None]     # per layer bounds of groups of pages, or None
     reuse: PageReuse | None = None                 # reuse_pages with offload: the rows' page buffers
 
     def on_kv_written(self, layer: int, keys: Tensor, slots: Tensor) -> None:
         if self.bounds[layer] is not None:
             kmin, kmax = self.bounds[layer]
             ops.update_page_bounds(kmin, kmax, keys, slots, self.policy.page_size)
+        if self.groups[layer] is not None:
+            ops.update_page_bounds(*self.groups[layer], keys, slots,
+                                   self.policy.page_size * self.policy.group_pages)
 
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
         policy = self.policy
         kmin, kmax = self.bounds[layer]
-        chosen = select_decode_pages(
-            query.q, kmin, kmax, query.block_tables, query.context_lens,
-            max_pages=-(-query.max_context // policy.page_size), block_size=self.layout.block_size,
-            page_size=policy.page_size, budget_pages=policy.budget_pages,
-            sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
-            gqa_reduce=policy.gqa_reduce, append_newest=query.append_newest,
-            physical=query.physical, counters=self.counters[layer])
+        max_pages = -(-query.max_context // policy.page_size)
+        kw = dict(max_pages=max_pages, block_size=self.layout.block_size,
+                  page_size=policy.page_size, budget_pages=policy.budget_pages,
+                  sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
+                  gqa_reduce=policy.gqa_reduce, append_newest=query.append_newest,
+                  physical=query.physical, counters=self.counters[layer])
+        if self.groups[layer] is not None and max_pages > policy.group_above_pages:
+            chosen = select_decode_pages_grouped(
+                query.q, kmin, kmax, *self.groups[layer], query.block_tables, query.context_lens,
+                group_pages=policy.group_pages, group_factor=policy.group_factor, **kw)
+        else:
+            chosen = select_decode_pages(query.q, kmin, kmax, query.block_tables,
+                                         query.context_lens, **kw)
         return PageSelection(chosen.indices, chosen.counts, policy.page_size, chosen.physical)
 
     def load_pages(self, layer: int, chosen: PageSelection, pool: HostPages,

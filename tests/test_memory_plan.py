@@ -1,0 +1,90 @@
+"""The memory plan (kvcache/sizing.py): where a cache's bytes go, from shapes alone. A
+million tokens of the Qwen3-4B shape in fp8 with offload and Quest, planned on the CPU for
+an 80 GiB GPU and a 125 GiB host, matches docs/ENGINE.md's formula and is accepted; the
+engine logs its plan at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from astream.base.config import EngineConfig
+from astream.executor.cache_plan import cache_spec
+from astream.kvcache.sizing import MemoryAvailable, plan_cache, weight_bytes
+from astream.models.config import ModelConfig
+from astream.policies import QuestPolicy
+
+GiB = 2**30
+MILLION = 1 << 20
+QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                tie_word_embeddings=True, max_position_embeddings=MILLION)
+H100 = MemoryAvailable(device_free=80 * GiB, device_total=80 * GiB, host=120 * GiB)
+
+
+def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100, **engine):
+    model = ModelConfig.from_hf(QWEN3_4B)
+    config = EngineConfig(offload=True, max_model_len=MILLION, max_num_seqs=max_num_seqs,
+                          kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=16384, **engine)
+    policy = QuestPolicy(budget_tokens=4096)
+    # Weights are on the device when the engine plans: they count as used.
+    weights = weight_bytes(model, torch.bfloat16)
+    available = MemoryAvailable(available.device_free - weights, available.device_total,
+                                available.host)
+    plan = plan_cache(cache_spec(config, model, policy, 1), model, torch.bfloat16,
+                      torch.device("cuda"), torch.float8_e4m3fn, available)
+    return model, plan
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 64])
+def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_formula(max_num_seqs):
+    model, plan = plan_million(max_num_seqs)
+    mem = plan.memory
+    token = 2 * 36 * 8 * 128                       # K and V bytes a token, all layers, fp8
+    layer_block = token // 36 * 256                # one layer's K and V of a 256-token block
+    assert plan.max_model_len == MILLION and plan.block_size == 256
+    # One whole max_model_len sequence even past half the host (72 GiB of 120).
+    assert plan.num_blocks == MILLION // 256 == 4096
+    assert mem.host_pool == MILLION * token == 72 * GiB
+    # Qwen3-4B's parameters in bf16, and the rotary tables of a million positions
+    assert mem.weights == 4_022_468_096 * 2 + 2 * MILLION * 128 * 2
+    assert mem.device_kv == 2 * 4096 * layer_block                     # the 2 dense layers
+    # Page bounds (1/16 of KV) and group bounds (1/256) on the 34 sparse layers.
+    assert mem.policy_metadata == pytest.approx(72 * GiB * 34 / 36 / 16 * 17 / 16, abs=1)
+    assert mem.tails == 36 * (max_num_seqs + 1) * layer_block
+    assert mem.staging == 2 * (16384 // 256 + 1) * layer_block
+    assert mem.ring == 3 * plan.offload.slot_blocks * layer_block
+    assert plan.offload.slot_blocks == 4096                           # one whole sequence
+    assert mem.decode_buffers == mem.prefix_buffers == 0
+    logits = max_num_seqs * 151936 * 16
+    width = 4 * 2560 + (32 + 16) * 128
+    assert mem.activations == (2 * 16384 * width + 3 * 8192 * 9728) * 2 + logits + 512 * 2**20
+    assert mem.device_total == sum((mem.weights, mem.device_kv, mem.ring, mem.staging, mem.tails,
+                                    mem.policy_metadata, mem.activations))
+    assert mem.device_total < 0.85 * 80 * GiB
+    line = mem.describe()
+    assert line.startswith("host pinned 72.00 GiB, device ") and "policy_metadata 4.52" in line
+
+
+def test_the_pool_stays_within_what_the_host_has():
+    small = MemoryAvailable(80 * GiB, 80 * GiB, host=64 * GiB)
+    with pytest.raises(ValueError, match="does not fit in the host KV pool"):
+        plan_million(available=small)
+    # Without an explicit max_model_len the pool keeps to half the host, as before.
+    model = ModelConfig.from_hf(QWEN3_4B)
+    config = EngineConfig(offload=True, max_num_seqs=1, kv_cache_dtype="fp8_e4m3")
+    plan = plan_cache(cache_spec(config, model, QuestPolicy(), 1), model, torch.bfloat16,
+                      torch.device("cpu"), torch.float8_e4m3fn, H100)
+    assert plan.memory.host_pool <= 60 * GiB and plan.max_model_len < MILLION
+
+
+def test_the_engine_logs_where_its_memory_goes(caplog):
+    from astream import LLM
+    with caplog.at_level(logging.INFO, logger="astream"):
+        with LLM(device="cpu", dtype="float32", offload=True, kv_block_size=16, num_kv_blocks=64,
+                 max_model_len=512, sparse_policy="quest"):
+            pass
+    lines = [r.getMessage() for r in caplog.records if "memory plan" in r.getMessage()]
+    assert len(lines) == 1 and "host pinned" in lines[0] and "policy_metadata" in lines[0]
