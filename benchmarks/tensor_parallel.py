@@ -1,0 +1,274 @@
+"""Tensor parallelism: decode, throughput and offloaded decode at TP=1 against TP=2.
+
+    python benchmarks/run.py tensor_parallel [--sections decode,throughput,offload,quest] [--tp 1,2]
+    python benchmarks/run.py tensor_parallel --smoke        # CPU over gloo, tiny shape and contexts
+
+The Qwen3-8B shape (36 layers, hidden 4096, 32 query and 8 KV heads of 128, MLP 12288,
+vocabulary 151,936), random weights (load_format="dummy"), bf16, SmolLM2's tokenizer (the
+prompts are random ids). Each section builds one engine per TP size, TP=1 first; the rows
+of a section come before the next section's, so a run cut short keeps whole pairs.
+
+- `decode`: resident KV, --decode [32768x4] (CTXxBATCH). The sequences are prefilled once;
+  a run then times --steps [16] decode steps two ways: `step_ms`, synchronously (each
+  EngineCore.step with the device synchronized: its whole latency, host work included), and
+  `pipelined_step_ms`, as the engine's stages run them (the next step launched before the
+  previous one is read back): the interval between consecutive steps' results.
+- `throughput`: `LLM.generate` over the workload of benchmarks/throughput.py (--num [256]
+  requests, input and output lengths uniform in 100..1024, greedy, ignore_eos),
+  `output_tok_s`. Prefix caching is off, so every repeat computes the same prompts anew.
+- `offload`: offload=True, Full attention, --offload [131072x4,131072x1]. Each context is
+  prefilled once with its largest batch; its batches are then timed largest first, the extra
+  sequences aborted in between. --offload-steps [4] synchronous steps a run (a step loads
+  every sequence's whole context, seconds at 128K), and the bytes rank 0 loaded from its
+  host pool in them: `bytes_loaded_per_step`, and `link_gb_s` = those bytes over the steps'
+  time. Each rank loads the same block ids of its own KV heads over its own PCIe link, so
+  rank 0's count is every rank's: the figure is per link.
+- `quest`: the same with sparse_policy Quest (--budget [4096] tokens; its first dense_layers
+  [2] layers read whole contexts), --quest [131072x1], --steps steps timed both ways. The
+  bytes add the pages gathered from the host pool (`bytes_gathered_per_step`: rank 0's
+  selections, for its own KV heads) to the dense layers' loads.
+
+Tensor-parallel steps run eagerly; TP=1 uses CUDA graphs where the engine does, unless
+--eager (every engine eager: the split's own gain, without the graphs').
+
+After the rows, a table of each figure's median per TP size and the ratio of the largest
+TP to the smallest, against the goals: offloaded Full decode at <= 0.55x, Quest offload at
+<= 0.6x, throughput >= 1.7x.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from common import engine_core, random_workload, shaped_model, smollm2  # noqa: I001
+from quest import decode_steps, ms, pipelined_steps
+from throughput import astream_run
+from astream import LLM, SamplingParams
+from astream.base.config import EngineConfig
+from astream.core.engine_core import EngineCore
+from astream.core.request import ListSink
+from astream.policies import QuestPolicy
+
+SECTIONS = ("decode", "throughput", "offload", "quest")
+MARGIN = 1024                        # tokens past the context: decode steps of every repeat
+LONG = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+# (section, figure) -> (comparison, ratio of the largest TP to the smallest)
+GOALS = {("offload", "step_ms"): ("<=", 0.55), ("quest", "step_ms"): ("<=", 0.6),
+         ("throughput", "output_tok_s"): (">=", 1.7)}
+TABLE = {"decode": ("step_ms", "pipelined_step_ms"), "throughput": ("output_tok_s",),
+         "offload": ("step_ms", "link_gb_s"), "quest": ("step_ms", "pipelined_step_ms", "link_gb_s")}
+
+DEFAULTS = dict(decode="32768x4", offload="131072x4,131072x1", quest="131072x1", steps=16,
+                offload_steps=4, num=256, budget=4096, dense_layers=2)
+SMOKE = dict(decode="128x2", offload="192x2,192x1", quest="256x1", steps=3, offload_steps=2,
+             num=6, budget=64, dense_layers=0)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="comma-separated, run in this order: " + ", ".join(SECTIONS))
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, each section in turn")
+    parser.add_argument("--decode", default=None, help="decode: CTXxBATCH cases [32768x4]")
+    parser.add_argument("--offload", default=None, help="offload: CTXxBATCH cases [131072x4,131072x1]")
+    parser.add_argument("--quest", default=None, help="quest: CTXxBATCH cases [131072x1]")
+    parser.add_argument("--steps", type=int, default=None, help="decode, quest: steps timed a run [16]")
+    parser.add_argument("--offload-steps", type=int, default=None, help="offload: steps timed a run [4]")
+    parser.add_argument("--num", type=int, default=None, help="throughput: requests [256]")
+    parser.add_argument("--budget", type=int, default=None, help="quest: tokens read per KV head [4096]")
+    parser.add_argument("--dense-layers", type=int, default=None,
+                        help="quest: first layers that read whole contexts [2]")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs at any TP size")
+    parser.add_argument("--shape", default=None, help="a shape of common.SHAPES [qwen3-8b]")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer (default: SmolLM2's)")
+
+
+def cases(options) -> Iterator[tuple[dict, object]]:
+    for key, value in (SMOKE if options.smoke else DEFAULTS).items():
+        if getattr(options, key) is None:
+            setattr(options, key, value)
+    options.shape = options.shape or ("tiny" if options.smoke else "qwen3-8b")
+    sections = [s for s in options.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
+    sizes = [int(t) for t in options.tp.split(",")]
+    for section in sections:
+        for tp in sizes:
+            yield from SECTION_CASES[section](options, tp)
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in case.split("x")) for case in text.split(",") if case]
+
+
+def engine_options(o, tp: int, shapes: list[tuple[int, int]], **extra) -> dict:
+    """An engine's options for `shapes` (max_num_seqs their largest batch, which with offload
+    also sizes the host pool), random weights."""
+    ctx = max(c for c, _ in shapes) + MARGIN
+    return dict(model=str(shaped_model(o.shape, max_positions=ctx)), load_format="dummy",
+                tokenizer=o.tokenizer or smollm2(), device=o.device,
+                dtype="float32" if o.device == "cpu" else "bfloat16",
+                max_num_seqs=max(b for _, b in shapes), max_model_len=ctx,
+                tensor_parallel_size=tp, enforce_eager=o.eager, **extra)
+
+
+def core_config(o, tp: int, shapes: list[tuple[int, int]], **extra) -> EngineConfig:
+    # Prefill chunks of 16K tokens: the long prompts take fewer steps.
+    return EngineConfig(**engine_options(o, tp, shapes, max_num_batched_tokens=16384, **extra))
+
+
+# ---------------------------------------------------------------- decode steps
+
+def prefill(core: EngineCore, ctx: int, batch: int, seed: int) -> tuple[list[str], list[ListSink], float]:
+    """`batch` random prompts of `ctx` tokens added and stepped until each has its first token."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = [f"c{ctx}-{seed}-{i}" for i in range(batch)]
+    sinks = [core.add_request(rid, torch.randint(100, 49152, (ctx,), generator=gen).tolist(), LONG)
+             for rid in ids]
+    start = time.perf_counter()
+    while not all(sink.tokens for sink in sinks):
+        core.step()
+    core.runtime.synchronize()
+    return ids, sinks, time.perf_counter() - start
+
+
+def page_bytes(core: EngineCore) -> int:
+    """One KV head's Quest page, K and V, in the cache's dtype."""
+    dtype = getattr(torch, core.stats()["kv_cache_dtype"])
+    return core.runner.policy.policy.page_size * core.model.decoder.config.head_dim * 2 * dtype.itemsize
+
+
+def measure(core: EngineCore, sinks: list[ListSink], steps: int, pipelined: bool,
+            prefill_s: float) -> dict:
+    before = core.stats()
+    times = decode_steps(core, steps)
+    after = core.stats()
+    row: dict = {"step_ms": ms(times)}
+    if pipelined:
+        row["pipelined_step_ms"] = ms(pipelined_steps(core, steps + 1))   # `steps` intervals
+    if after["offload"]:
+        loaded = after["offload_bytes_loaded"] - before["offload_bytes_loaded"]
+        pages = sum(after.get("quest_pages_read", [0])) - sum(before.get("quest_pages_read", [0]))
+        gathered = pages * page_bytes(core) if pages else 0
+        row["bytes_loaded_per_step"] = loaded // steps
+        if "quest_pages_read" in after:
+            row["bytes_gathered_per_step"] = gathered // steps
+        row["link_gb_s"] = (loaded + gathered) / sum(times) / 1e9
+    # A sequence that reached max_model_len would leave steps that decode fewer rows.
+    running = all(not sink.tokens[-1].finish_reason for sink in sinks)
+    row["info"] = {"ok": running, "prefill_s": round(prefill_s, 2),
+                   "graph_steps": after["graph_steps"] - before["graph_steps"]}
+    return row
+
+
+def step_cases(config: EngineConfig, params: dict, shapes: list[tuple[int, int]], steps: int,
+               pipelined: bool, warmup: int):
+    """One engine: per context, its largest batch prefilled once, then each of its batches,
+    largest first (the extra sequences aborted), warmed up and yielded as a case."""
+    contexts: dict[int, list[int]] = {}
+    for ctx, batch in shapes:
+        contexts.setdefault(ctx, []).append(batch)
+    with engine_core(config) as core:
+        for seed, (ctx, batches) in enumerate(contexts.items()):
+            ids, sinks, prefill_s = prefill(core, ctx, max(batches), seed)
+            for batch in sorted(set(batches), reverse=True):
+                for rid in ids[batch:]:
+                    core.abort(rid)
+                ids, sinks = ids[:batch], sinks[:batch]
+                decode_steps(core, warmup)               # the batch's first steps: compiles
+                yield ({**params, "context": ctx, "batch": batch},
+                       partial(measure, core, sinks, steps, pipelined, prefill_s))
+            for rid in ids:
+                core.abort(rid)
+    del core                         # so the next engine_core() can hand its memory back
+
+
+def decode_cases(o, tp: int):
+    shapes = parse_cases(o.decode)
+    yield from step_cases(core_config(o, tp, shapes), {"section": "decode", "tp": tp}, shapes,
+                          o.steps, True, 2)
+
+
+def offload_extra(o) -> dict:
+    return {"offload": True, "kv_block_size": 16 if o.smoke else 256,
+            **({"offload_slot_tokens": 64} if o.smoke else {})}
+
+
+def offload_cases(o, tp: int):
+    shapes = parse_cases(o.offload)
+    config = core_config(o, tp, shapes, **offload_extra(o))
+    yield from step_cases(config, {"section": "offload", "tp": tp}, shapes, o.offload_steps, False, 1)
+
+
+def quest_cases(o, tp: int):
+    shapes = parse_cases(o.quest)
+    policy = QuestPolicy(budget_tokens=o.budget, dense_layers=o.dense_layers)
+    config = core_config(o, tp, shapes, sparse_policy=policy, **offload_extra(o))
+    yield from step_cases(config, {"section": "quest", "tp": tp, "budget": o.budget,
+                                   "dense_layers": o.dense_layers}, shapes, o.steps, True, 2)
+
+
+# ---------------------------------------------------------------- throughput
+
+def throughput_row(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
+    run = astream_run(llm, work)
+    return {"output_tok_s": run["output_tok_s"], "total_tok_s": run["total_tok_s"],
+            "info": {key: run[key] for key in ("seconds", "output_tokens", "steps", "preemptions")}}
+
+
+def throughput_cases(o, tp: int):
+    work = random_workload(o.num, 10, 40, 5, 20) if o.smoke else \
+        random_workload(o.num, 100, 1024, 100, 1024)
+    # throughput.py's engine: max_model_len 2112, 256 sequences, the default prefill chunks
+    with LLM(**engine_options(o, tp, [(2112 - MARGIN, 256)], enable_prefix_caching=False)) as llm:
+        llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
+        yield ({"section": "throughput", "tp": tp, "requests": len(work)},
+               partial(throughput_row, llm, work))
+
+
+SECTION_CASES = {"decode": decode_cases, "throughput": throughput_cases,
+                 "offload": offload_cases, "quest": quest_cases}
+
+
+# ---------------------------------------------------------------- the table
+
+def case_name(params: dict) -> str:
+    if "requests" in params:
+        return f"n={params['requests']}"
+    return f"{params['context']}x{params['batch']}"
+
+
+def summarize(result: dict) -> None:
+    """Each figure's median per TP size, the ratio of the largest TP to the smallest, and
+    the goal it is held to."""
+    table: dict[tuple[str, str], dict[int, dict]] = {}
+    for row in result["rows"]:
+        p = row["params"]
+        table.setdefault((p["section"], case_name(p)), {})[p["tp"]] = row["figures"]
+    sizes = sorted({tp for by_tp in table.values() for tp in by_tp})
+    if not sizes:
+        return
+    low, high = sizes[0], sizes[-1]
+    print(f"\nmedians; ratio = TP={high} / TP={low}")
+    print(f"{'section':<11}{'case':>11}{'figure':>19}" + "".join(f"{f'TP={tp}':>11}" for tp in sizes)
+          + f"{'ratio':>8}  goal")
+    for (section, case), by_tp in table.items():
+        for figure in TABLE[section]:
+            medians = {tp: f[figure]["median"] for tp, f in by_tp.items() if figure in f}
+            if not medians:
+                continue
+            cells = "".join(f"{medians[tp]:>11.4g}" if tp in medians else f"{'-':>11}" for tp in sizes)
+            ratio, verdict = "-", ""
+            if low in medians and high in medians and low != high and medians[low]:
+                value = medians[high] / medians[low]
+                ratio = f"{value:.3f}"
+                goal = GOALS.get((section, figure))
+                if goal is not None:
+                    sign, bound = goal
+                    met = value <= bound if sign == "<=" else value >= bound
+                    verdict = f"{sign} {bound}: {'met' if met else 'MISSED'}"
+            print(f"{section:<11}{case:>11}{figure:>19}{cells}{ratio:>8}  {verdict}")

@@ -1,0 +1,60 @@
+"""The tensor-parallel benchmark through the harness (benchmarks/run.py) with --smoke: every
+section at one and two ranks over gloo, each rank's link counted once, and the ratio table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def test_every_section_runs_at_one_and_two_ranks(tmp_path, capsys):
+    import run
+    out = tmp_path / "result.json"
+    argv = ["tensor_parallel", "--smoke", "--out", str(out), "--steps", "2", "--offload-steps", "1",
+            "--num", "3", "--decode", "64x2", "--offload", "96x2,96x1", "--quest", "160x1"]
+    assert run.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {(r["params"]["section"], r["params"]["tp"], r["params"].get("batch")): r
+            for r in result["rows"]}
+    assert sorted(rows) == sorted([("decode", 1, 2), ("decode", 2, 2), ("throughput", 1, None),
+                                   ("throughput", 2, None), ("offload", 1, 2), ("offload", 1, 1),
+                                   ("offload", 2, 2), ("offload", 2, 1), ("quest", 1, 1),
+                                   ("quest", 2, 1)])
+    # a section's rows at both sizes before the next section's
+    assert [(r["params"]["section"], r["params"]["tp"]) for r in result["rows"]] == \
+        [("decode", 1), ("decode", 2), ("throughput", 1), ("throughput", 2), ("offload", 1),
+         ("offload", 1), ("offload", 2), ("offload", 2), ("quest", 1), ("quest", 2)]
+    for row in result["rows"]:
+        assert row["info"].get("ok", True) is True
+    for key in (("decode", 1, 2), ("decode", 2, 2), ("quest", 2, 1)):
+        figures = rows[key]["figures"]
+        assert len(figures["step_ms"]["values"][0]) == 2
+        assert len(figures["pipelined_step_ms"]["values"][0]) == 2
+    assert rows[("throughput", 2, None)]["info"]["output_tokens"] == \
+        rows[("throughput", 1, None)]["info"]["output_tokens"] > 0
+
+    def per_step(key, figure):
+        return rows[key]["figures"][figure]["median"]
+    # Rank 0 loads its own half of the KV heads: half of one rank's bytes, over its own link.
+    for batch in (2, 1):
+        whole = per_step(("offload", 1, batch), "bytes_loaded_per_step")
+        assert whole > 0 and per_step(("offload", 2, batch), "bytes_loaded_per_step") * 2 == whole
+    assert per_step(("offload", 1, 2), "bytes_loaded_per_step") == \
+        2 * per_step(("offload", 1, 1), "bytes_loaded_per_step")
+    gathered = per_step(("quest", 1, 1), "bytes_gathered_per_step")
+    assert gathered > 0 and per_step(("quest", 2, 1), "bytes_gathered_per_step") * 2 == gathered
+    assert rows[("offload", 2, 1)]["figures"]["link_gb_s"]["median"] > 0
+
+    table = capsys.readouterr().out.split("ratio = TP=2 / TP=1")[1]
+    lines = {tuple(line.split()[:3]): line for line in table.splitlines() if line.strip()}
+    for section, case, figure, goal in (("offload", "96x2", "step_ms", "<= 0.55"),
+                                        ("quest", "160x1", "step_ms", "<= 0.6"),
+                                        ("throughput", "n=3", "output_tok_s", ">= 1.7")):
+        line = lines[(section, case, figure)]
+        assert goal in line and ("met" in line or "MISSED" in line)
+        tp1, tp2 = (rows[(section, tp, None if section == "throughput" else int(case[-1]))]
+                    ["figures"][figure]["median"] for tp in (1, 2))
+        assert f"{tp2 / tp1:.3f}" in line
