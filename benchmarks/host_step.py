@@ -53,17 +53,17 @@ class TimedSink:
     def __init__(self, inner: RequestChannel, clock: list[float]) -> None:
         self.inner, self.clock = inner, clock
 
-    def token(self, token_id: int, text: str, finish_reason: str | None, error: str | None = None) -> bool:
+    def token(self, request, *args, **kwargs) -> bool:
         start = time.perf_counter()
-        delivered = self.inner.token(token_id, text, finish_reason, error)
+        delivered = self.inner.token(request, *args, **kwargs)
         self.clock[0] += time.perf_counter() - start
         return delivered
 
-    def progress(self, prefilled: int, total: int) -> None:
-        self.inner.progress(prefilled, total)
+    def progress(self, request, prefilled: int, total: int) -> None:
+        self.inner.progress(request, prefilled, total)
 
-    def reject(self, error: Exception) -> None:
-        self.inner.reject(error)
+    def reject(self, request, error: Exception) -> None:
+        self.inner.reject(request, error)
 
     @property
     def backlog(self) -> int:
@@ -105,7 +105,7 @@ def core_phases(batch: int, steps: int, warmup: int) -> dict[str, float]:
     clock = [0.0]
     for i, (prompt, _) in enumerate(random_workload(batch, 100, 1024, 1, 1, seed=batch, vocab=VOCAB)):
         request = core.open_request(f"r{i}", params(warmup + steps + 64),
-                                    TimedSink(RequestChannel.open(f"r{i}"), clock))
+                                    TimedSink(RequestChannel(), clock))
         core.admit(request, prompt)
     decoding = 0
     while decoding < warmup:           # prefill, then a few decode steps
