@@ -24,7 +24,7 @@ SPARSE = {
 def _layout() -> KVLayout:
     return KVLayout(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16, num_blocks=8,
                     block_size=16, dtype=torch.float32, device=torch.device("cpu"), offload=False,
-                    key_dtype=torch.float32)
+                    key_dtype=torch.float32, max_num_seqs=1)
 
 
 def _meta(n_q: int, n_k: int) -> VarlenMeta:
