@@ -54,8 +54,7 @@ def calibrate_format(decoder: Decoder, token_ids: list[int], dtype: torch.dtype)
     ids = torch.tensor(token_ids[:CALIBRATION_TOKENS], dtype=torch.int64, device=device)
     k_peak = torch.zeros(cfg.num_layers, cfg.num_kv_heads, dtype=torch.float32, device=device)
     v_peak = torch.zeros_like(k_peak)
-    cu = torch.tensor([0, len(ids)], dtype=torch.int32, device=device)
-    meta = VarlenMeta(cu, cu, len(ids), len(ids), [0, len(ids)], [0, len(ids)])
+    meta = VarlenMeta.single(len(ids), len(ids), device)
     scale = cfg.head_dim ** -0.5
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

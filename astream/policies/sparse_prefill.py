@@ -75,9 +75,5 @@ class SequencePrefillRuntime(PolicyRuntime):
 def _dense_rows(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
     """Exact causal attention of a chunk's last len(q) queries over its keys k/v (the last
     len(q) keys are theirs: bottom-right alignment)."""
-    n_q, n_k = q.shape[0], k.shape[0]
-    # Offsets written on the device from host ints: no copy from the host, no sync.
-    cu = torch.zeros(2, 2, dtype=torch.int32, device=q.device)
-    cu[0, 1], cu[1, 1] = n_q, n_k
-    meta = VarlenMeta(cu[0], cu[1], n_q, n_k, [0, n_q], [0, n_k])
+    meta = VarlenMeta.single(q.shape[0], k.shape[0], q.device)
     return varlen_attention(q, k, v, meta, causal=True, scale=scale)
