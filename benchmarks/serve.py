@@ -11,6 +11,12 @@ TTFT, TPOT ((end - first token) / (tokens - 1) per request) and ITL (every gap b
 token events). --offline adds LLM.generate on the same workload in its own process, and
 the ratio of each run's output tok/s to it.
 
+Rounds: --rounds R measures every (rate, protocol) run R times, interleaved, and the
+offline process generates the workload R times too; --warmup-rounds W runs W more rounds
+first on both sides, unmeasured. A run of a few seconds swings with the host between
+processes, so a ratio of one server run to one offline run is noise; the summary gives each
+side's min / median / max over the rounds and each round's ratio to the offline median.
+
     python benchmarks/serve.py --smoke                                   # CPU, embedded model
     python benchmarks/serve.py --model /models/qwen.gguf --request-rate inf 32 8 --offline
     python benchmarks/serve.py --url http://127.0.0.1:8765 --protocol ws    # a running server
@@ -80,6 +86,14 @@ def tpot(result: RequestResult) -> float | None:
 def itls(result: RequestResult) -> list[float]:
     times = result.token_times
     return [b - a for a, b in zip(times, times[1:])]
+
+
+def spread(values: list[float]) -> dict:
+    """min / median / max of a figure over rounds."""
+    if not values:
+        return {"min": None, "median": None, "max": None}
+    return {"min": round(min(values), 3), "median": round(percentile(values, 50), 3),
+            "max": round(max(values), 3)}
 
 
 def _stats_ms(values: list[float]) -> dict:
@@ -346,9 +360,10 @@ def engine_options(model: str | None, serve_args: list[str]) -> tuple[str | None
     return model, kwargs
 
 
-def offline_main(model: str | None, serve_args: list[str], requests: list[Request], temperature: float,
-                 seed: int, warmup: int, pipe) -> None:
-    """LLM.generate over the workload in one call; sends back a dict of its figures."""
+def offline_main(model: str | None, serve_args: list[str], rounds: list[list[Request]], measured: int,
+                 temperature: float, seed: int, warmup: int, pipe) -> None:
+    """LLM.generate over each round's workload in one call a round (the rounds before the
+    last `measured` unmeasured); sends back a dict of the measured rounds' figures."""
     try:
         from astream import LLM, SamplingParams
 
@@ -362,34 +377,40 @@ def offline_main(model: str | None, serve_args: list[str], requests: list[Reques
                                   seed=seed + r.index if temperature > 0 else None)
 
         if warmup:
-            warm = requests[:warmup]
+            warm = rounds[0][:warmup]
             llm.generate([r.prompt[:64] for r in warm],
                          [SamplingParams(max_tokens=4, ignore_eos=True)] * len(warm))
-        t0 = time.perf_counter()
-        completions = llm.generate([r.prompt for r in requests], [params(r) for r in requests])
-        seconds = time.perf_counter() - t0
+        figures = []
+        for requests in rounds:
+            t0 = time.perf_counter()
+            completions = llm.generate([r.prompt for r in requests], [params(r) for r in requests])
+            seconds = time.perf_counter() - t0
+            output = sum(len(c.token_ids) for c in completions)
+            prompt = sum(len(r.prompt) for r in requests)
+            figures.append({"duration_s": round(seconds, 3), "output_tokens": output,
+                            "output_tok_s": round(output / seconds, 3),
+                            "total_tok_s": round((output + prompt) / seconds, 3),
+                            "request_throughput": round(len(requests) / seconds, 3),
+                            "failed": sum(c.finish_reason not in ("length", "stop") for c in completions)})
         llm.close()
-        output = sum(len(c.token_ids) for c in completions)
-        prompt = sum(len(r.prompt) for r in requests)
-        pipe.send({"requests": len(requests), "load_s": round(load_s, 2), "duration_s": round(seconds, 3),
-                   "output_tokens": output, "output_tok_s": round(output / seconds, 3),
-                   "total_tok_s": round((output + prompt) / seconds, 3),
-                   "request_throughput": round(len(requests) / seconds, 3),
-                   "failed": sum(c.finish_reason not in ("length", "stop") for c in completions),
+        figures = figures[len(figures) - measured:]
+        median = sorted(figures, key=lambda f: f["output_tok_s"])[(len(figures) - 1) // 2]
+        pipe.send({"requests": len(rounds[0]), "load_s": round(load_s, 2), **median,
+                   "rounds": figures, "output_tok_s_spread": spread([f["output_tok_s"] for f in figures]),
                    "engine": {k: v for k, v in kwargs.items() if isinstance(v, (str, int, float, bool))}})
     except BaseException as exc:
         pipe.send(f"offline run failed: {type(exc).__name__}: {exc}")
         raise
 
 
-def run_offline(args: argparse.Namespace, serve_args: list[str], requests: list[Request]) -> dict:
+def run_offline(args: argparse.Namespace, serve_args: list[str], rounds: list[list[Request]]) -> dict:
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=offline_main, args=(args.model, serve_args, requests, args.temperature,
-                                                  args.seed, args.warmup, theirs))
+    proc = ctx.Process(target=offline_main, args=(args.model, serve_args, rounds, args.rounds,
+                                                  args.temperature, args.seed, args.warmup, theirs))
     proc.start()
     try:
-        if not ours.poll(args.request_timeout + args.server_timeout):
+        if not ours.poll(args.request_timeout * len(rounds) + args.server_timeout):
             raise SystemExit("the offline run sent nothing back in time")
         result = ours.recv()
     finally:
@@ -399,6 +420,48 @@ def run_offline(args: argparse.Namespace, serve_args: list[str], requests: list[
     if isinstance(result, str):
         raise SystemExit(result)
     return result
+
+
+def measure_run(protocol: str, rate: float, url: str, workload: "Workload", args: argparse.Namespace,
+                model_name: str | None, run_no: int) -> dict:
+    """One run of the workload with fresh token ids: long prompts all arrive at the start,
+    the background every short request meets; short ones arrive at the request rate."""
+    requests = workload.requests(args.seed * 1_000_003 + run_no)
+    offsets = iter(arrival_offsets(len(requests), rate, args.seed + run_no))
+    for request in requests:
+        request.offset = 0.0 if request.kind == "long" else next(offsets)
+    results, reports, start = run_load(protocol, url, requests, args, model_name)
+    return {"protocol": protocol, "rate": _rate_text(rate), "metrics": summarize_run(results, start),
+            "clients": client_usage(reports), "errors": sorted({r.error for r in results if r.error})[:10]}
+
+
+def summarize_rounds(runs: list[dict], offline: dict | None) -> list[dict]:
+    """Per (protocol, rate), min / median / max over the rounds: output tok/s, its ratio to
+    the offline median, and the TTFT p50 of each request class."""
+    summary = []
+    for key in dict.fromkeys((run["protocol"], run["rate"]) for run in runs):
+        group = [run for run in runs if (run["protocol"], run["rate"]) == key]
+        row = {"protocol": key[0], "rate": key[1], "rounds": len(group),
+               "output_tok_s": spread([r["metrics"]["all"]["output_tok_s"] or 0.0 for r in group])}
+        if offline:
+            row["vs_offline"] = spread([r["vs_offline"] or 0.0 for r in group])
+        for cls in group[0]["metrics"]:
+            row[f"ttft_p50_ms_{cls}"] = spread([r["metrics"][cls]["ttft_ms"]["p50"] for r in group
+                                                if cls in r["metrics"] and r["metrics"][cls]["ttft_ms"]["p50"]
+                                                is not None])
+        summary.append(row)
+    if offline:
+        summary.append({"protocol": "offline", "rate": "-", "rounds": len(offline["rounds"]),
+                        "output_tok_s": offline["output_tok_s_spread"]})
+    return summary
+
+
+def print_summary(summary: list[dict]) -> None:
+    print("\nover the rounds, min / median / max:")
+    for row in summary:
+        cells = [f"{key} {v['min']} / {v['median']} / {v['max']}" for key, v in row.items()
+                 if isinstance(v, dict) and v["min"] is not None]
+        print(f"  {row['protocol']} rate {row['rate']} ({row['rounds']} rounds): " + "; ".join(cells))
 
 
 # ---- the report ------------------------------------------------------------------------------
@@ -416,7 +479,8 @@ def table_rows(runs: list[dict], offline: dict | None) -> list[list[str]]:
         cpu = max((c["cpu_util"] or 0.0) for c in run["clients"])
         for cls, m in run["metrics"].items():
             ratio = run.get("vs_offline") if cls == "all" else None
-            rows.append([run["protocol"], run["rate"], cls, f"{m['completed']}/{m['requests']}",
+            name = run["protocol"] + (f" r{run['round']}" if run.get("round") else "")
+            rows.append([name, run["rate"], cls, f"{m['completed']}/{m['requests']}",
                          f"{m['duration_s']:.2f}", f"{m['request_throughput'] or 0:.2f}",
                          f"{m['output_tok_s'] or 0:.1f}", ms(m["ttft_ms"], "mean"), ms(m["ttft_ms"], "p50"),
                          ms(m["ttft_ms"], "p99"), ms(m["tpot_ms"], "p50"), ms(m["tpot_ms"], "p99"),
@@ -477,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--request-rate", type=parse_rate, nargs="+", default=[math.inf], metavar="RATE",
                       help="requests/s, Poisson arrivals; inf sends all at once; several: one run each")
     load.add_argument("--protocol", nargs="+", choices=("ws", "openai"), default=["ws", "openai"])
+    load.add_argument("--rounds", type=int, default=1, help="measured rounds: every (rate, protocol) "
+                      "run, and the offline workload, this many times (default 1)")
+    load.add_argument("--warmup-rounds", type=int, default=0, help="unmeasured rounds before them, "
+                      "on both sides (default 0)")
     load.add_argument("--clients", type=int, help="load processes (default 4, --smoke 2)")
     load.add_argument("--max-concurrency", type=int, help="requests in flight at most, over all clients")
     load.add_argument("--ws-requests-per-connection", type=int, default=8,
@@ -514,6 +582,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.device = args.device or "cpu"
     args.clients = args.clients or (2 if args.smoke else 4)
     args.warmup = (2 if args.smoke else 4) if args.warmup is None else args.warmup
+    if args.rounds < 1 or args.warmup_rounds < 0:
+        raise SystemExit("--rounds needs >= 1 and --warmup-rounds >= 0")
     workload = build_workload(args)
     serve_args = shlex.split(args.serve_args) + (["--device", args.device] if args.device else [])
     out = args.out or (Path(os.environ["OUT"]) / "serve.json" if os.environ.get("OUT")
@@ -539,36 +609,37 @@ def main(argv: list[str] | None = None) -> dict:
                 run_load(protocol, url, warm, args, model_name)
             wait_idle(url)
         run_no = 0
-        for rate in args.request_rate:
-            for protocol in args.protocol:
-                run_no += 1
-                requests = workload.requests(args.seed * 1_000_003 + run_no)
-                # Long prompts all arrive at the start, the background every short request
-                # meets; short ones arrive at the request rate.
-                offsets = iter(arrival_offsets(len(requests), rate, args.seed + run_no))
-                for request in requests:
-                    request.offset = 0.0 if request.kind == "long" else next(offsets)
-                results, reports, start = run_load(protocol, url, requests, args, model_name)
-                metrics = summarize_run(results, start)
-                errors = sorted({r.error for r in results if r.error})
-                runs.append({"protocol": protocol, "rate": _rate_text(rate), "metrics": metrics,
-                             "clients": client_usage(reports), "errors": errors[:10]})
-                m = metrics["all"]
-                print(f"{protocol} rate {_rate_text(rate)}: {m['completed']}/{m['requests']} ok, "
-                      f"{m['output_tok_s']} out tok/s, TTFT p50 {m['ttft_ms']['p50']} ms"
-                      + (f"; errors: {errors[:3]}" if errors else ""), flush=True)
-                health = wait_idle(url)
+        for round_no in range(-args.warmup_rounds, args.rounds):
+            for rate in args.request_rate:
+                for protocol in args.protocol:
+                    run_no += 1
+                    run = measure_run(protocol, rate, url, workload, args, model_name, run_no)
+                    run["round"] = round_no
+                    m = run["metrics"]["all"]
+                    print(f"{'warmup' if round_no < 0 else f'round {round_no}'}: {protocol} rate "
+                          f"{run['rate']}: {m['completed']}/{m['requests']} ok, {m['output_tok_s']} out tok/s, "
+                          f"TTFT p50 {m['ttft_ms']['p50']} ms"
+                          + (f"; errors: {run['errors'][:3]}" if run["errors"] else ""), flush=True)
+                    if round_no >= 0:
+                        runs.append(run)
+                    health = wait_idle(url)
 
     offline = None
     if args.offline:
-        print("offline: LLM.generate on the same workload", flush=True)
-        offline = run_offline(args, serve_args, workload.requests(args.seed * 1_000_003))
+        print(f"offline: LLM.generate on the same workload, {args.warmup_rounds} + {args.rounds} rounds",
+              flush=True)
+        rounds = [workload.requests(args.seed * 1_000_003 - 1 - k)
+                  for k in range(args.warmup_rounds + args.rounds)]
+        offline = run_offline(args, serve_args, rounds)
         for run in runs:
             tok_s = run["metrics"]["all"]["output_tok_s"]
             run["vs_offline"] = round(tok_s / offline["output_tok_s"], 3) if tok_s else None
+    summary = summarize_rounds(runs, offline)
 
     print()
     print_table(runs, offline)
+    if args.rounds > 1:
+        print_summary(summary)
     result = {"benchmark": "serve", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "argv": sys.argv[1:] if argv is None else argv,
               "workload": asdict(workload), "server": {"url": args.url, "started": not args.url,
@@ -576,6 +647,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                         "serve_args": serve_args,
                                                         "health_after": health},
               "clients": args.clients, "max_concurrency": args.max_concurrency,
+              "rounds": args.rounds, "warmup_rounds": args.warmup_rounds, "summary": summary,
               "runs": runs, "offline": offline}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -253,3 +253,30 @@ def test_smoke_run_against_a_started_server(tmp_path):
     assert json.loads(out.read_text())["runs"] == result["runs"]
     assert [(run["protocol"], run["metrics"]["all"]["completed"]) for run in result["runs"]] == \
            [("ws", 4), ("openai", 4)]
+
+
+def test_rounds_summary_gives_spread_and_ratio_to_the_offline_median():
+    def run(protocol: str, tok_s: float, ttft: float) -> dict:
+        metrics = {"all": {"output_tok_s": tok_s, "ttft_ms": {"p50": ttft}}}
+        return {"protocol": protocol, "rate": "inf", "metrics": metrics, "vs_offline": round(tok_s / 100.0, 3)}
+
+    runs = [run("ws", 90.0, 5.0), run("openai", 80.0, 6.0), run("ws", 110.0, 7.0), run("ws", 95.0, 3.0)]
+    offline = {"output_tok_s": 100.0, "rounds": [{}, {}, {}],
+               "output_tok_s_spread": serve.spread([98.0, 100.0, 104.0])}
+    ws, openai, off = serve.summarize_rounds(runs, offline)
+    assert (ws["rounds"], ws["output_tok_s"]) == (3, {"min": 90.0, "median": 95.0, "max": 110.0})
+    assert ws["vs_offline"] == {"min": 0.9, "median": 0.95, "max": 1.1}
+    assert ws["ttft_p50_ms_all"] == {"min": 3.0, "median": 5.0, "max": 7.0}
+    assert openai["rounds"] == 1 and openai["vs_offline"]["median"] == 0.8
+    assert off == {"protocol": "offline", "rate": "-", "rounds": 3,
+                   "output_tok_s": {"min": 98.0, "median": 100.0, "max": 104.0}}
+
+
+def test_rounds_repeat_runs_and_the_offline_workload(tmp_path):
+    result = serve.main(["--smoke", "--num-requests", "2", "--output-len", "3", "3", "--protocol", "openai",
+                         "--rounds", "2", "--warmup-rounds", "1", "--warmup", "0", "--clients", "1",
+                         "--offline", "--out", str(tmp_path / "serve.json")])
+    assert [(run["round"], run["metrics"]["all"]["completed"]) for run in result["runs"]] == [(0, 2), (1, 2)]
+    assert len(result["offline"]["rounds"]) == 2
+    assert all(r["output_tokens"] == 6 for r in result["offline"]["rounds"])
+    assert result["summary"][0]["vs_offline"]["min"] > 0
