@@ -26,7 +26,7 @@ from astream.policies.sparse_prefill import (
 
 @dataclass(slots=True, frozen=True)
 class XAttentionPolicy(SparsePolicy):
-    threshold: float = 0.9
+    threshold: float = 0.95
     block_size: int = 128
     stride: int = 8
     dense_tail: int = 128

@@ -39,7 +39,7 @@ from astream.policies.quest.page_reuse import PageReuse, plan_reuse_
 
 @dataclass(slots=True, frozen=True)
 class QuestPolicy(SparsePolicy):
-    budget_tokens: int = 2048
+    budget_tokens: int = 4096
     page_size: int = 16
     dense_layers: int = 2
     sink_pages: int = 1
