@@ -28,8 +28,9 @@ Sections:
   t(L) = a + b L + c L^2 to their complete rows (least squares; with two contexts, a = 0),
   and prints it with its value at --target [1048576] tokens. No device needed.
 
-A tokenizer is needed only to build the engine (the prompt is token ids): --tokenizer DIR,
-else SmolLM2's GGUF (its package here, /tmp/smollm2.gguf on the device: common.smollm2()).
+A tokenizer is needed only to build the engine and to decode the one token sampled (the
+prompt is token ids): --tokenizer DIR, else one built here with no file
+(common.synthetic_tokenizer: token i is "t<i>"), so a device command carries nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Iterator
 
 import torch
 
-from common import engine_core, shaped_model, smollm2  # noqa: I001
+from common import engine_core, shaped_model, synthetic_tokenizer  # noqa: I001
 from astream.base.config import EngineConfig
 from astream.base.outputs import Progress
 from astream.base.sampling import SamplingParams
@@ -67,7 +68,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="one: abort a prefill still running after this long")
     parser.add_argument("--print-every", type=int, default=None, help="one: chunks between lines")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer folder (default: common.synthetic_tokenizer())")
     parser.add_argument("--inputs", default=None, help="fit: result files of `one`, comma-separated")
     parser.add_argument("--target", type=int, default=1 << 20, help="fit: the context to extrapolate to")
 
@@ -85,7 +87,7 @@ def engine_config(o, max_len: int) -> EngineConfig:
     tiny = o.shape in ("tiny", "micro")
     return EngineConfig(
         model=str(shaped_model(o.shape, max_positions=max_len)), load_format="dummy",
-        tokenizer=o.tokenizer or smollm2(), device=o.device,
+        tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
         dtype="float32" if o.device == "cpu" else "bfloat16", offload=not o.resident,
         kv_cache_dtype=o.kv_dtype, max_num_seqs=1, max_model_len=max_len,
         max_num_batched_tokens=o.chunk, sparse_policy=o.policy or None, enforce_eager=True,
