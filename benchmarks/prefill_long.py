@@ -90,7 +90,7 @@ def engine_config(o, max_len: int) -> EngineConfig:
         tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
         dtype="float32" if o.device == "cpu" else "bfloat16", offload=not o.resident,
         kv_cache_dtype=o.kv_dtype, max_num_seqs=1, max_model_len=max_len,
-        max_num_batched_tokens=o.chunk, sparse_policy=o.policy or None, enforce_eager=True,
+        max_num_batched_tokens=o.chunk, sparse_policy=o.policy or "full", enforce_eager=True,
         **({"kv_block_size": 64} if tiny else {}))
 
 
