@@ -57,6 +57,24 @@ def smollm2() -> str:
     return str(default_model_path())
 
 
+def synthetic_tokenizer(vocab_size: int = 151936, root: Path | None = None) -> str:
+    """A tokenizer folder built here, with no file to stage: token i is the word "t<i>",
+    for benchmarks whose prompts are token ids and whose weights are random (a device
+    command then carries nothing beyond the repository)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    folder = (root or Path(os.environ.get("TMPDIR", "/tmp"))) / f"astream-tokenizer-{vocab_size}"
+    if not (folder / "tokenizer_config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        vocab = {f"t{i}": i for i in range(vocab_size)}
+        tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "t151643",
+             "eos_token": "t151645"}))
+    return str(folder)
+
+
 def random_workload(n: int, lo: int, hi: int, out_lo: int, out_hi: int, seed: int = 0,
                     vocab: int = 49152) -> list[tuple[list[int], int]]:
     """n requests of (prompt token ids, output length), lengths uniform in the ranges."""

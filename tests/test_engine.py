@@ -215,3 +215,27 @@ def test_list_sink_numbers_tokens_in_order_around_progress():
     sink.token(request, 7, "", "length")
     assert [(t.index, t.token_id) for t in sink.tokens] == [(0, 5), (1, 6), (2, 7)]
     assert sink.next_index == 3
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+@pytest.mark.anyio
+async def test_a_long_prompt_streams_prefill_progress_before_its_first_token():
+    from astream.base.outputs import Progress
+    chunk = 64
+    async with Engine(**{**ENGINE_KW, "max_num_batched_tokens": chunk}) as engine:
+        items, steps_at = [], []
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        async for item in engine.stream("the cat sat on the mat. " * 100, params, progress=True):
+            items.append(item)
+            steps_at.append(engine.stats()["steps"])
+    first = next(i for i, item in enumerate(items) if not isinstance(item, Progress))
+    progress, tokens = items[:first], items[first:]
+    total = progress[0].total
+    # One update at admission (0), then one a chunk but the last (the one that samples).
+    assert total > 8 * chunk and len(progress) == -(-total // chunk)
+    assert [p.prefilled for p in progress] == list(range(0, total, chunk))
+    assert all(p.total == total for p in progress)
+    assert not any(isinstance(item, Progress) for item in tokens) and len(tokens) == 3
+    # Each update reaches the consumer while the prefill goes on: the first chunk's long
+    # before half the chunks ran, not all of them at the end.
+    assert steps_at[1] < len(progress) // 2 and steps_at == sorted(steps_at)

@@ -70,6 +70,15 @@ def test_estimate_in_kv_head_slices_is_the_same(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+def test_block_means_in_row_slices_are_the_same(monkeypatch):
+    k = torch.randn(1000, 3, 8, generator=torch.Generator().manual_seed(4)).bfloat16()
+    want = fp.block_means(k, 64)
+    monkeypatch.setattr(fp, "MEAN_ROWS", 100)                         # slices of one block
+    torch.testing.assert_close(fp.block_means(k, 64), want, atol=1e-6, rtol=1e-6)
+    ref = torch.stack([k[i:i + 64].float().mean(0) for i in range(0, 1000, 64)], 1)
+    torch.testing.assert_close(want, ref, atol=1e-5, rtol=1e-5)
+
+
 def test_js_distance_matches_its_formula():
     gen = torch.Generator().manual_seed(2)
     p, r = torch.rand(5, 9, generator=gen), torch.rand(5, 9, generator=gen)

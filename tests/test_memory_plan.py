@@ -61,11 +61,31 @@ def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_form
     logits = max_num_seqs * 151936 * 16
     width = 4 * 2560 + (32 + 16) * 128
     assert mem.activations == (2 * 16384 * width + 3 * 8192 * 9728) * 2 + logits + 512 * 2**20
+    # A prefill chunk after a prefix gathers a dense layer's whole million-token context: its
+    # fp8 rows and their bf16 copy (6 GiB), more than a ring slot dequantized (4 GiB).
+    assert mem.prefill_context == 4096 * (2 * layer_block + layer_block) == 6 * GiB
     assert mem.device_total == sum((mem.weights, mem.device_kv, mem.ring, mem.staging, mem.tails,
-                                    mem.policy_metadata, mem.activations))
+                                    mem.policy_metadata, mem.prefill_context, mem.activations))
     assert mem.device_total < 0.85 * 80 * GiB
     line = mem.describe()
     assert line.startswith("host pinned 72.00 GiB, device ") and "policy_metadata 4.52" in line
+
+
+def test_a_million_token_sparse_prefill_plans_its_prefixes_and_fits():
+    from astream.policies import CombinedPolicy, XAttentionPolicy
+    model = ModelConfig.from_hf(QWEN3_4B)
+    config = EngineConfig(offload=True, max_model_len=MILLION, max_num_seqs=1,
+                          kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=32768)
+    policy = CombinedPolicy(XAttentionPolicy(), QuestPolicy(budget_tokens=4096))
+    weights = weight_bytes(model, torch.bfloat16)
+    available = MemoryAvailable(H100.device_free - weights, H100.device_total, H100.host)
+    plan = plan_cache(cache_spec(config, model, policy, 1), model, torch.bfloat16,
+                      torch.device("cuda"), torch.float8_e4m3fn, available)
+    mem, layer_block = plan.memory, 2 * 8 * 128 * 256
+    # Two packed bf16 prefixes of a million tokens (4 GiB each) and one staged fp8 piece.
+    assert mem.prefix_buffers == 2 * 4096 * 2 * layer_block + 64 * layer_block
+    assert mem.prefill_context == 6 * GiB and plan.offload.slot_blocks == 4096
+    assert mem.device_total < 0.85 * 80 * GiB
 
 
 def test_the_pool_stays_within_what_the_host_has():

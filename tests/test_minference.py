@@ -57,6 +57,26 @@ def test_index_matches_brute_force(n_q, n_k, last_q):
     assert all(row.tolist() == sorted(row.tolist(), reverse=True) for row in got.slashes)
 
 
+# One head's weights: 16 rows x 90 keys x 4 bytes. A head, two, one KV head's four, all.
+@pytest.mark.parametrize("budget", [1, 2 * 16 * 90 * 4, 4 * 16 * 90 * 4, 10**9])
+def test_index_in_query_head_slices_is_the_same(monkeypatch, budget):
+    q, k, _ = random_qkv(40, 90, heads=8, kv_heads=2, seed=5)
+    kwargs = dict(last_q=16, vertical_size=12, slash_size=9, sink=3, local=4, scale=0.5)
+    want = mi.vertical_slash_index(q, k, **kwargs)
+    monkeypatch.setattr(mi, "ESTIMATE_BYTES", budget)
+    got = mi.vertical_slash_index(q, k, **kwargs)
+    assert torch.equal(got.verticals, want.verticals) and torch.equal(got.slashes, want.slashes)
+
+
+def test_head_slices_keep_to_whole_kv_heads_or_to_one():
+    from astream.ops.attention_ref import head_slices
+    assert head_slices(32, 4, 100, 1000) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert head_slices(32, 4, 100, 250) == [(h, h + 2) for h in range(0, 32, 2)]
+    assert head_slices(32, 4, 100, 10) == [(h, h + 1) for h in range(32)]
+    assert head_slices(6, 3, 100, 200) == [(h, h + 1) for h in range(6)]      # 2 does not divide 3
+    assert head_slices(8, 4, 1, 10**9) == [(0, 8)]
+
+
 def some_index(n_q, n_k, heads=4, seed=0):
     q, k, _ = random_qkv(n_q, n_k, heads=heads, seed=seed)
     return mi.vertical_slash_index(q, k, last_q=16, vertical_size=max(3, n_k // 9),

@@ -127,8 +127,9 @@ class OffloadAttention:
                    lse) -> tuple[torch.Tensor, torch.Tensor]:
         if job.prefill_index is not None:
             keys = job.prefill_blocks
-            k, v = self.engine.format.dequantize(layer, slot.k_tokens[:keys].flatten(0, 1),
-                                                 slot.v_tokens[:keys].flatten(0, 1))
+            # Dequantized straight from the head-major slot (no token-major fp8 copy first).
+            k, v = self.engine.format.dequantize(layer, slot.k_tokens[:keys], slot.v_tokens[:keys])
+            k, v = k.flatten(0, 1), v.flatten(0, 1)
             part = prefill_attention(
                 self.policy, self.backends, layer, q.index_select(0, job.prefill_index), k, v,
                 job.prefill_meta, causal=False, scale=self.scale)

@@ -75,8 +75,9 @@ class MemoryPlan:
     Host: the KV pool (offload). Device: the weights (dense, in the model's dtype), the KV
     kept there (the whole cache, or with offload the device layers' copy), the offload
     buffers (ring, staging, tails), the policy's metadata (Quest's page and group bounds),
-    its decode buffers, packed prefixes (sparse prefill with offload), and the reserve for
-    one step's activations.
+    its decode buffers, packed prefixes (sparse prefill with offload), the largest context
+    a prefill step dequantizes at once (with offload: a ring slot, or a device layer's whole
+    context, in the model's dtype), and the reserve for one step's activations.
     """
 
     host_pool: int = 0
@@ -88,18 +89,19 @@ class MemoryPlan:
     policy_metadata: int = 0
     decode_buffers: int = 0
     prefix_buffers: int = 0
+    prefill_context: int = 0
     activations: int = 0
 
     @property
     def device_total(self) -> int:
         return (self.weights + self.device_kv + self.ring + self.staging + self.tails
                 + self.policy_metadata + self.decode_buffers + self.prefix_buffers
-                + self.activations)
+                + self.prefill_context + self.activations)
 
     def describe(self) -> str:
         """One line: host pool, device total, and each device part, in GiB."""
         parts = ("weights", "device_kv", "ring", "staging", "tails", "policy_metadata",
-                 "decode_buffers", "prefix_buffers", "activations")
+                 "decode_buffers", "prefix_buffers", "prefill_context", "activations")
         shown = ", ".join(f"{name} {getattr(self, name) / _GiB:.2f}" for name in parts
                           if getattr(self, name))
         return (f"host pinned {self.host_pool / _GiB:.2f} GiB, device {self.device_total / _GiB:.2f} "
@@ -157,15 +159,27 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
     if offload is None:
         return MemoryPlan(device_kv=blocks * block_bytes, **common)
     prefix = 0
+    packed = layer_block_bytes * _element_size(dtype) // _element_size(kv_dtype)
     if cfg.whole_prefix:
-        packed = layer_block_bytes * _element_size(dtype) // _element_size(kv_dtype)
         prefix = 2 * -(-max_len // cfg.block_size) * packed + CONTEXT_STAGE_BLOCKS * layer_block_bytes
+    context = max(offload.slot_blocks * packed,
+                  _device_layer_context(cfg, max_len, layer_block_bytes, packed))
     return MemoryPlan(
         host_pool=blocks * block_bytes, device_kv=cfg.device_layers * blocks * layer_block_bytes,
         ring=offload.num_slots * offload.slot_blocks * layer_block_bytes,
         staging=2 * offload.staging_blocks * layer_block_bytes,
         tails=model.num_layers * (cfg.max_num_seqs + 1) * layer_block_bytes,
-        decode_buffers=cfg.device_reserve_bytes, prefix_buffers=prefix, **common)
+        decode_buffers=cfg.device_reserve_bytes, prefix_buffers=prefix, prefill_context=context,
+        **common)
+
+
+def _device_layer_context(cfg: CacheSpec, max_len: int, layer_block_bytes: int, packed: int) -> int:
+    """A device layer's whole context, gathered for a prefill chunk that continues a prefix:
+    the stored rows, and their dequantized copy when the cache holds another dtype."""
+    if not cfg.device_layers:
+        return 0
+    stored = layer_block_bytes if packed != layer_block_bytes else 0
+    return -(-max_len // cfg.block_size) * (packed + stored)
 
 
 def weight_bytes(model: ModelConfig, dtype: torch.dtype) -> int:
@@ -258,9 +272,12 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
         if cfg.whole_prefix:     # two max_model_len contexts packed, and one staged prefix piece
             fixed += 2 * -(-max_len // block) * packed_block_bytes \
                 + CONTEXT_STAGE_BLOCKS * layer_block_bytes
+        # A prefill step dequantizes a slot's context, or gathers a device layer's whole
+        # context, one at a time; sized here as if both, so neither can squeeze the other.
+        fixed += _device_layer_context(cfg, max_len, layer_block_bytes, packed_block_bytes)
         spare = _free_device_bytes(cfg, model, dtype, device, budget, memory) - fixed
-        slot_blocks = _whole_shape_steps(min(wanted, max(spare, 0) // (slots * layer_block_bytes)),
-                                         block)
+        per_slot_block = slots * layer_block_bytes + packed_block_bytes
+        slot_blocks = _whole_shape_steps(min(wanted, max(spare, 0) // per_slot_block), block)
     else:
         slot_blocks = min(wanted, _GiB // (slots * layer_block_bytes))
     if slot_blocks < 1:

@@ -19,6 +19,26 @@ from astream.ops.varlen import VarlenMeta
 MAX_SCORE_ELEMENTS = 64 * 1024 * 1024
 
 
+def head_slices(n_heads: int, group: int, head_bytes: int, budget: int) -> list[tuple[int, int]]:
+    """Query-head ranges [h0, h1) whose `head_bytes` each stay within `budget` together:
+    whole KV heads' groups where more than one fits, else a divisor of one group (at least
+    one head), so every range reads its keys from whole KV heads or from one."""
+    fits = max(1, budget // max(1, head_bytes))
+    per = group * (fits // group) if fits >= group else max(d for d in range(1, group + 1)
+                                                              if group % d == 0 and d <= fits)
+    return [(h, min(n_heads, h + per)) for h in range(0, n_heads, per)]
+
+
+def grouped_scores(rows: Tensor, k: Tensor, h0: int, h1: int, group: int) -> Tensor:
+    """rows [L, H, D] float32 (queries) against every key k [Tk, KVH, D], query heads h0..h1
+    -> [h1 - h0, L, Tk] float32 raw dot products. The query heads of one KV head are rows
+    of one matmul: no key is copied per query head."""
+    kv0, kv1 = h0 // group, (h1 - 1) // group + 1
+    qh = rows[:, h0:h1].transpose(0, 1).reshape(kv1 - kv0, -1, rows.shape[2])
+    kh = k[:, kv0:kv1].float().transpose(0, 1)
+    return torch.matmul(qh, kh.transpose(1, 2)).view(h1 - h0, rows.shape[0], k.shape[0])
+
+
 def _softmax_rows(scores: Tensor) -> tuple[Tensor, Tensor]:
     """Row softmax and lse of float32 scores, in place; fully masked rows give (0, -inf)."""
     lse = torch.logsumexp(scores, dim=-1)

@@ -35,8 +35,9 @@ causally visible is never read. gamma >= 1 is exactly full attention, and so is 
 min_blocks that covers every key block.
 
 Everything is batched torch on the device, with no host read of a device value. The last
-block's weights are formed per slice of KV heads, so their memory stays bounded at long
-contexts.
+block's weights are formed a few query heads at a time (ESTIMATE_BYTES), and block means
+read their rows in slices, so their memory stays bounded at long contexts (at a million keys
+one head's weights are 512 MiB).
 """
 
 from __future__ import annotations
@@ -46,9 +47,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from astream.ops.attention_ref import grouped_scores, head_slices
 from astream.ops.xattention import visible_blocks, visible_mask
 
 ESTIMATE_BYTES = 1 << 30        # float32 weights of the last block formed at once
+MEAN_ROWS = 1 << 16             # rows of K (or Q) a block mean reads at a time
 
 
 class Estimate(NamedTuple):
@@ -59,11 +62,17 @@ class Estimate(NamedTuple):
 
 def block_means(x: Tensor, block: int) -> Tensor:
     """[T, KVH or H, D] -> [heads, ceil(T/block), D] float32: the mean of each block's rows
-    (a short last block is the mean of the rows it has)."""
+    (a short last block is the mean of the rows it has). Rows are read MEAN_ROWS at a time:
+    a float32 copy of a million keys would be 4 GiB."""
     rows, heads, dim = x.shape
     n_b = -(-rows // block)
-    padded = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, n_b * block - rows))
-    sums = padded.view(n_b, block, heads, dim).sum(1)
+    sums = torch.empty(n_b, heads, dim, dtype=torch.float32, device=x.device)
+    step = max(block, MEAN_ROWS - MEAN_ROWS % block)
+    for r0 in range(0, rows, step):
+        part = x[r0:r0 + step].float()
+        pad = -part.shape[0] % block
+        part = torch.nn.functional.pad(part, (0, 0, 0, 0, 0, pad)) if pad else part
+        sums[r0 // block:r0 // block + part.shape[0] // block] = part.view(-1, block, heads, dim).sum(1)
     counts = torch.full((n_b,), float(block), device=x.device)
     counts[-1] = rows - (n_b - 1) * block
     return (sums / counts.view(-1, 1, 1)).transpose(0, 1)
@@ -85,17 +94,15 @@ def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float) -> Es
     rows = q[n_q - last:].float()
     vertical = torch.empty(n_heads, n_kb, dtype=torch.float32, device=q.device)
     slash = torch.empty_like(vertical)
-    per_slice = max(1, ESTIMATE_BYTES // (group * last * (n_k + 1) * 4 * 2))
-    for kv0 in range(0, kv_heads, per_slice):
-        kv1 = min(kv_heads, kv0 + per_slice)
-        h0, h1 = kv0 * group, kv1 * group
-        qh = rows[:, h0:h1].transpose(0, 1).reshape(kv1 - kv0, group * last, dim)
-        kh = k[:, kv0:kv1].float().transpose(0, 1)
-        scores = torch.matmul(qh, kh.transpose(1, 2)).view(h1 - h0, last, n_k) * scale
+    # A head's scores, then its weights and their cumulative sums, are alive at once.
+    for h0, h1 in head_slices(n_heads, group, last * (n_k + 1) * 4 * 3, ESTIMATE_BYTES):
+        scores = grouped_scores(rows, k, h0, h1, group) * scale
         probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        del scores
         padded = torch.nn.functional.pad(probs.mean(1), (0, n_kb * block - n_k))
         vertical[h0:h1] = padded.view(h1 - h0, n_kb, block).sum(-1)
         cum = torch.nn.functional.pad(probs.cumsum_(-1), (1, 0))          # [h, L, Tk + 1]
+        del probs
         per_row = cum.gather(-1, upper.expand(h1 - h0, -1, -1)) \
             - cum.gather(-1, lower.expand(h1 - h0, -1, -1))
         slash[h0:h1] = per_row.mean(1)

@@ -43,7 +43,11 @@ def quantize_ref(x: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
 def dequantize_ref(x: Tensor, scale: Tensor | None, dtype: torch.dtype) -> Tensor:
     if scale is None:
         return x.to(dtype)
-    return (x.float() * scale.unsqueeze(-1)).to(dtype)
+    # Into `dtype` first (every fp8 value is exact there), then scaled in place: the product
+    # is still formed in float32 and rounded once, with no float32 copy of x (a million
+    # keys' K would take 4 GiB). The result is contiguous whatever x's strides.
+    out = torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
+    return out.mul_(scale.unsqueeze(-1))
 
 
 def write_kv_ref(dst_k: Tensor, dst_v: Tensor, rows: Tensor, k: Tensor, v: Tensor,

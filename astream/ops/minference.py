@@ -30,7 +30,9 @@ import torch
 from torch import Tensor
 
 from astream.ops.attention import select_decode_backend
-from astream.ops.attention_ref import _softmax_rows, masked_attention_ref
+from astream.ops.attention_ref import _softmax_rows, grouped_scores, head_slices, masked_attention_ref
+
+ESTIMATE_BYTES = 1 << 30        # float32 weights of the last queries formed at once
 
 
 class VerticalSlash(NamedTuple):
@@ -46,16 +48,16 @@ class Layout(NamedTuple):
     column_count: Tensor    # [H, n_qb] int32
 
 
-def last_query_weights(q: Tensor, k: Tensor, last_q: int, scale: float) -> Tensor:
-    """Softmax weights [H, L, Tk] float32 of the chunk's last L queries over every key."""
+def last_query_weights(q: Tensor, k: Tensor, last_q: int, scale: float,
+                       heads: tuple[int, int] | None = None) -> Tensor:
+    """Softmax weights [H, L, Tk] float32 of the chunk's last L queries over every key (of
+    the query heads `heads` [h0, h1) only, when given)."""
     n_q, n_heads, _ = q.shape
     n_k, kv_heads, _ = k.shape
+    h0, h1 = heads or (0, n_heads)
     last = min(last_q, n_q)
     rows = torch.arange(n_q - last, n_q, device=q.device) + (n_k - n_q)
-    # Query heads of one KV head side by side: one matmul per KV head, no repeated keys.
-    qh = q[n_q - last:].float().transpose(0, 1).reshape(kv_heads, -1, q.shape[2])  # [KVH, G*L, D]
-    kh = k.float().transpose(0, 1)                                                  # [KVH, Tk, D]
-    scores = torch.matmul(qh, kh.transpose(1, 2)).view(n_heads, last, n_k) * scale
+    scores = grouped_scores(q[n_q - last:].float(), k, h0, h1, n_heads // kv_heads) * scale
     hidden = torch.arange(n_k, device=q.device).view(1, -1) > rows.view(-1, 1)
     probs, _ = _softmax_rows(scores.masked_fill_(hidden, float("-inf")))
     return probs
@@ -63,20 +65,28 @@ def last_query_weights(q: Tensor, k: Tensor, last_q: int, scale: float) -> Tenso
 
 def vertical_slash_index(q: Tensor, k: Tensor, *, last_q: int, vertical_size: int, slash_size: int,
                          sink: int, local: int, scale: float) -> VerticalSlash:
-    """The kept columns and diagonals of each query head (see the module docstring)."""
-    n_k = k.shape[0]
-    probs = last_query_weights(q, k, last_q, scale)                            # [H, L, Tk]
-    heads, last, _ = probs.shape
-    vertical = probs.sum(1)
+    """The kept columns and diagonals of each query head (see the module docstring). The
+    weights are formed a few query heads at a time (ESTIMATE_BYTES): at a million keys one
+    head's are 256 MiB."""
+    n_q, n_heads, _ = q.shape
+    n_k, kv_heads, _ = k.shape
+    last = min(last_q, n_q)
+    vertical = torch.empty(n_heads, n_k, dtype=torch.float32, device=q.device)
+    slash = torch.empty_like(vertical)
+    for h0, h1 in head_slices(n_heads, n_heads // kv_heads, last * n_k * 4, ESTIMATE_BYTES):
+        probs = last_query_weights(q, k, last_q, scale, (h0, h1))                  # [h, L, Tk]
+        vertical[h0:h1] = probs.sum(1)
+        # Row i of the last queries sits at position n_k - last + i; its weight on key u lies
+        # on diagonal delta = n_k - last + i - u. Shifted right by last - 1 - i, every row
+        # puts diagonal delta in column n_k - 1 - delta.
+        aligned = slash[h0:h1]
+        aligned.zero_()
+        for i in range(last):
+            shift = last - 1 - i
+            aligned[:, shift:] += probs[:, i, :n_k - shift]
+        del probs
+    slash = slash.flip(-1)                       # [H, Tk]: index delta = distance to the diagonal
     vertical[:, :sink] = float("inf")
-    # Row i of the last queries sits at position n_k - last + i; its weight on key u lies on
-    # diagonal delta = n_k - last + i - u. Shifted right by last - 1 - i, every row puts
-    # diagonal delta in column n_k - 1 - delta (zeros enter from the left padding).
-    padded = torch.nn.functional.pad(probs, (last, 0))                          # [H, L, last + Tk]
-    shift = torch.arange(last, device=q.device).view(-1, 1) + 1
-    cols = torch.arange(n_k, device=q.device).view(1, -1) + shift
-    aligned = padded.gather(2, cols.view(1, last, n_k).expand(heads, -1, -1))
-    slash = aligned.sum(1).flip(-1)              # [H, Tk]: index delta = distance to the diagonal
     slash[:, :local] = float("inf")
     verticals = vertical.topk(min(vertical_size, n_k), dim=-1).indices.sort(-1).values
     slashes = slash.topk(min(slash_size, n_k), dim=-1).indices.sort(-1, descending=True).values
