@@ -4,7 +4,8 @@ The header is read once by `gguf_layout.read_header` (metadata and tensor positi
 and kept in the checkpoint, so the tokenizer (`gguf_tokenizer`) is built from it without
 reading the file again. The tensor data is memory-mapped, and tensors are dequantized one
 at a time with torch (`astream.models.dequant`), on the device the caller asks for, and
-renamed and reshaped to the Hugging Face layout.
+renamed and reshaped to the Hugging Face layout. A tensor-parallel rank reads and
+dequantizes only the blocks that hold its slice (`astream.models.gguf_slice`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from gguf import GGMLQuantizationType, LlamaFileType
 
 from astream.models.dequant import SUPPORTED_QUANT_TYPES, dequantize
-from astream.models.tensor_parallel import TPShard
+from astream.models.gguf_slice import block_slice
+from astream.models.tensor_parallel import Slice, TPShard, pad_rows
 from astream.models.gguf_layout import (
     SUPPORTED_GGUF_TENSOR_TYPES,  # noqa: F401  (part of this module's API)
     ArrayValue,
@@ -225,16 +227,50 @@ class GGUFCheckpoint:
     def iter_tensors(
         self, dtype: torch.dtype, device: torch.device | str, shard: TPShard | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) one at a time, dequantized on `device`. With `shard`, a
-        tensor is dequantized whole and cut to the rank's part (quantization blocks run along
-        the input dimension, which row-parallel weights split)."""
+        """Yield (HF name, tensor) one at a time, dequantized on `device`. With `shard`, only
+        the quantization blocks that hold the rank's part are read and dequantized."""
         for spec in self._specs:
-            raw = torch.from_numpy(spec.data).to(device)
-            w = dequantize(raw, spec.qtype, spec.shape, dtype)
-            del raw
-            if spec.rope_heads:
-                w = _unpermute_rope_rows(w, spec.rope_heads)
-            yield spec.hf_name, w if shard is None else shard.take(spec.hf_name, w)
+            where = None if shard is None else shard.slice_of(spec.hf_name)
+            if where is None:
+                yield spec.hf_name, _read_whole(spec, dtype, device)
+            else:
+                yield spec.hf_name, pad_rows(_read_part(spec, where, dtype, device), where)
+
+
+def _dequantize(raw: np.ndarray, spec: _TensorSpec, shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device | str) -> torch.Tensor:
+    return dequantize(torch.from_numpy(raw).to(device), spec.qtype, shape, dtype)
+
+
+def _read_whole(spec: _TensorSpec, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    w = _dequantize(spec.data, spec, spec.shape, dtype, device)
+    return _unpermute_rope_rows(w, spec.rope_heads) if spec.rope_heads else w
+
+
+def _read_part(spec: _TensorSpec, where: Slice, dtype: torch.dtype,
+               device: torch.device | str) -> torch.Tensor:
+    part = block_slice(spec.data, spec.qtype, spec.shape, where)
+    heads = _rope_heads_in(spec, where)
+    if part is None or heads is None:
+        # Tensors of more than two dimensions, or RoPE rows cut inside a head (no
+        # TPShard does either), are read whole and cut.
+        w = _read_whole(spec, dtype, device)
+        return w.narrow(where.dim, where.start, where.stop - where.start)
+    w = _dequantize(part.raw, spec, part.shape, dtype, device).narrow(part.dim, part.skip,
+                                                                      part.length)
+    # The RoPE permutation moves rows only within a head, so a slice of whole heads holds
+    # the same file rows before and after it.
+    return _unpermute_rope_rows(w, heads) if heads else w
+
+
+def _rope_heads_in(spec: _TensorSpec, where: Slice) -> int | None:
+    """RoPE heads in the rows `where` selects (0: no permutation); None: not whole heads."""
+    if not spec.rope_heads:
+        return 0
+    head_rows = spec.shape[0] // spec.rope_heads
+    if where.dim != 0 or where.start % head_rows or where.stop % head_rows:
+        return None
+    return (where.stop - where.start) // head_rows
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
