@@ -188,7 +188,7 @@ def test_quest_selects_for_each_ranks_own_kv_heads(tiny_qwen3):
 
 
 def test_a_gguf_model_splits_over_three_ranks(smollm2_path):
-    """SmolLM2: 9 heads and 3 KV heads; every rank dequantizes each tensor and keeps its part."""
+    """SmolLM2: 9 heads and 3 KV heads; every rank reads and dequantizes its own blocks only."""
     prompts = ["The capital of France is", [{"role": "user", "content": "Count to 5."}]]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=1)
     runs = []
