@@ -252,8 +252,9 @@ def _read_part(spec: _TensorSpec, where: Slice, dtype: torch.dtype,
     part = block_slice(spec.data, spec.qtype, spec.shape, where)
     heads = _rope_heads_in(spec, where)
     if part is None or heads is None:
-        # Tensors of more than two dimensions, or RoPE rows cut inside a head (no
-        # TPShard does either), are read whole and cut.
+        # block_slice cuts only one- and two-dimensional tensors, and llama's RoPE row
+        # order can be undone only over whole heads; slices beyond those (no TPShard asks
+        # for one) need the whole tensor dequantized first.
         w = _read_whole(spec, dtype, device)
         return w.narrow(where.dim, where.start, where.stop - where.start)
     w = _dequantize(part.raw, spec, part.shape, dtype, device).narrow(part.dim, part.skip,
