@@ -37,7 +37,8 @@ head's, over the whole context) inside P & E over that inside E; `mass_ratio` th
 attention would read from P plus the newest block over that of E plus the block (above 1
 where P holds more of it); `late` |E - P| / budget pages: the pages still to fetch on the
 critical path; `device` |P| / budget pages. Each as a mean and a 10th percentile (p10) over
-the samples; per-layer means and the generated answers in the rows' info.
+the samples (one per prompt, step, layer and KV or query head); per-layer means and the
+generated answers in the rows' info.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ class Scores:
             figures[f"{name}_p10"] = round(x.quantile(0.1).item(), 4)
             by_layer[name] = {int(lay): round(x[layer == lay].mean().item(), 4)
                               for lay in layer.unique().tolist()}
-        return figures, {"by_layer": by_layer, "samples": int(x.numel())}
+        counts = {name: sum(c.numel() for c in chunks) for name, chunks in self.values[predictor].items()}
+        return figures, {"by_layer": by_layer, "kv_head_samples": counts["page_recall"],
+                         "query_head_samples": counts["mass_recall"]}
 
 
 class Probe:
