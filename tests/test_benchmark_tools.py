@@ -178,3 +178,47 @@ def test_a_filled_prefix_has_the_bounds_prefill_would_give_and_is_taken_as_cache
             core.step()
         stats = core.stats()
         assert stats["prefix_cache_hits"] == 14 and sum(stats["quest_selections"]) > 0
+
+
+def test_prefetch_recall_counts_pages_and_attention_mass_of_the_exact_selection():
+    import torch
+    from quest_prefetch import page_mask, ranked_union, recall
+
+    # One KV head of two query heads, four pages; budget two pages. Exact {0, 1}, predicted {1, 2}.
+    exact = page_mask(torch.tensor([[0, 1, 1]]), torch.tensor([2]), 4)
+    predicted = page_mask(torch.tensor([[1, 2, 2]]), torch.tensor([2]), 4)
+    assert exact.tolist() == [[True, True, False, False]]
+    page_mass = torch.tensor([[0.4, 0.2, 0.1, 0.1], [0.1, 0.1, 0.5, 0.1]])
+    tail = torch.tensor([0.2, 0.2])
+    got = recall(predicted, exact, page_mass, tail, budget_pages=2)
+    assert got["page_recall"].tolist() == [0.5]
+    assert got["late"].tolist() == [0.5] and got["device"].tolist() == [1.0]
+    assert got["mass_recall"].tolist() == pytest.approx([0.2 / 0.6, 0.1 / 0.2])
+    assert got["mass_ratio"].tolist() == pytest.approx([0.5 / 0.8, 0.8 / 0.4])
+    itself = recall(exact, exact, page_mass, tail, budget_pages=2)
+    assert all(v.tolist() == pytest.approx([1.0] * len(v)) for k, v in itself.items() if k != "late")
+    # The union keeps all of `first`, then `then`'s best-scored pages, up to the cap.
+    first = torch.tensor([[True, False, False, False]])
+    then = torch.tensor([[False, True, True, True]])
+    scores = torch.tensor([[-5.0, 1.0, 3.0, 2.0]])
+    assert ranked_union(first, then, scores, cap=3).tolist() == [[True, False, True, True]]
+    assert ranked_union(first, then, scores, cap=1).tolist() == [[True, False, False, False]]
+
+
+def test_quest_prefetch_runs_through_the_harness(tmp_path):
+    import run
+    out = tmp_path / "result.json"
+    assert run.main(["quest_prefetch", "--smoke", "--out", str(out), "--context", "400",
+                     "--budget", "64", "--steps", "2"]) == 0
+    rows = {row["params"]["predictor"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"exact", "prev_step", "prev_layer", "early_query", "early_query_wide",
+                         "prev_step+early_query"}
+    for name, row in rows.items():
+        figures = {key: figure["median"] for key, figure in row["figures"].items()}
+        for key in ("page_recall", "mass_recall", "late"):
+            assert 0.0 <= figures[f"{key}_p10"] <= 1.0 and 0.0 <= figures[f"{key}_mean"] <= 1.0, (name, key)
+        assert figures["mass_ratio_mean"] > 0 and row["info"]["kv_head_samples"] > 0
+    exact = {key: figure["median"] for key, figure in rows["exact"]["figures"].items()}
+    assert exact["page_recall_mean"] == exact["page_recall_p10"] == 1.0
+    assert exact["mass_recall_mean"] == exact["mass_ratio_mean"] == 1.0 and exact["late_mean"] == 0.0
+    assert rows["exact"]["info"]["answers"][0]["task"] == "needle"
