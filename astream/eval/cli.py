@@ -14,7 +14,7 @@ from typing import Callable
 from astream.eval.evaluation import EvalPlan, run_eval
 from astream.eval.report import format_summary
 from astream.eval.spec import parse_configs, parse_depths, parse_lengths, parse_names
-from astream.eval.tasks import NEEDLE, RULER_TASKS
+from astream.eval.tasks import AGGREGATION_TASKS, NEEDLE, RULER_TASKS
 
 AddEngineOptions = Callable[[argparse._ArgumentGroup], None]
 
@@ -25,11 +25,15 @@ def add_eval_command(commands: argparse._SubParsersAction, add_engine_options: A
                                  "writes results.jsonl, summary.json and PNG plots to --out.")
     tasks = parser.add_subparsers(dest="eval_task", required=True, metavar="TASK")
     needle = tasks.add_parser("needle", help="passkey retrieval over lengths x depths")
-    ruler = tasks.add_parser("ruler", help=f"RULER-style synthetic tasks: {', '.join(RULER_TASKS)}")
+    ruler = tasks.add_parser("ruler", help=f"RULER-style synthetic tasks: {', '.join(RULER_TASKS)}; "
+                             f"aggregation: {', '.join(AGGREGATION_TASKS)}")
     needle.set_defaults(eval_tasks=[NEEDLE])
     ruler.add_argument("--tasks", dest="eval_tasks", default=list(RULER_TASKS), metavar="LIST",
-                       type=_checked(lambda text: parse_names(text, RULER_TASKS, "tasks")),
-                       help=f"comma-separated (default: all: {','.join(RULER_TASKS)})")
+                       type=_checked(lambda text: parse_names(text, RULER_TASKS + AGGREGATION_TASKS, "tasks")),
+                       help=f"comma-separated (default: {','.join(RULER_TASKS)}); the aggregation tasks "
+                       f"{','.join(AGGREGATION_TASKS)} (10 most common words of a list, 3 most frequent "
+                       "coded words of a Zipf text) run only when named, and ignore the depth but for "
+                       "the seed")
     for sub in (needle, ruler):
         sub.set_defaults(run=run_eval_command)
         _add_grid_options(sub)

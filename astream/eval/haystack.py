@@ -2,7 +2,8 @@
 
 The length counts the whole prompt as the model sees it: one user message (intro, haystack,
 question) rendered with the tokenizer's chat template, or, for a model without one, the plain
-text with the question at the end.
+text with the question at the end. A problem with a body (the aggregation tasks) has no
+filler: its haystack is the body's text at the largest size that fits.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from astream.eval.filler import filler_sentences
-from astream.eval.problem import Problem
+from astream.eval.problem import Body, Problem
 
 _BATCH = 128          # filler sentences generated and counted per tokenizer call
 _MAX_TRIMS = 64       # sentences dropped at most when the joined text counts more than its parts
@@ -34,7 +35,10 @@ def render(tokenizer, content: str) -> list[int]:
 
 
 def build_prompt(tokenizer, problem: Problem, length: int, rng: random.Random) -> BuiltPrompt:
-    """At most `length` tokens, and fewer only by less than one filler sentence."""
+    """At most `length` tokens, and fewer only by less than one filler sentence (or one step
+    of the body's size)."""
+    if problem.body is not None:
+        return BuiltPrompt(tuple(_fit_body(tokenizer, problem, problem.body, length)), 0.0)
     frame = len(render(tokenizer, _content(problem, "")))
     inserts = sum(_count(tokenizer, [i.text for i in problem.inserts]))
     budget = length - frame - inserts
@@ -51,6 +55,31 @@ def build_prompt(tokenizer, problem: Problem, length: int, rng: random.Random) -
         counts.pop()
     raise RuntimeError(f"could not fit the prompt into {length} tokens: this tokenizer counts "
                        "joined sentences very differently from single ones")
+
+
+def _fit_body(tokenizer, problem: Problem, body: Body, length: int) -> list[int]:
+    """The prompt of the largest body size that fits: sizes double until one does not fit,
+    then bisect. The body's text only roughly grows with its size, so every size tried is
+    checked and the result always fits."""
+    def fitting(size: int) -> list[int] | None:
+        ids = render(tokenizer, _content(problem, body.text(size)))
+        return ids if len(ids) <= length else None
+
+    low, best = body.smallest, fitting(body.smallest)
+    if best is None:
+        smallest = len(render(tokenizer, _content(problem, body.text(body.smallest))))
+        raise ValueError(f"a prompt of {length} tokens is too short for this task: its question and "
+                         f"smallest text take {smallest} tokens")
+    high = 2 * low
+    while (ids := fitting(high)) is not None:
+        low, best, high = high, ids, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        if (ids := fitting(middle)) is not None:
+            low, best = middle, ids
+        else:
+            high = middle
+    return best
 
 
 def _content(problem: Problem, haystack: str) -> str:

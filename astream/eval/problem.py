@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 import string
 from dataclasses import dataclass
+from typing import Callable
 
 NUMBER = "number"      # answers are whole numbers (keys, codes)
 NAME = "name"          # answers are variable names (capital letters)
+WORD = "word"          # answers are lowercase words, matched ignoring case
 
 _ADJECTIVES = ("amber", "silver", "crimson", "quiet", "brave", "hollow", "golden", "misty", "rapid",
                "gentle", "frozen", "velvet", "copper", "lucky", "distant", "bright")
@@ -24,8 +26,19 @@ class Insert:
 
 
 @dataclass(slots=True, frozen=True)
+class Body:
+    """A haystack that is the task's own text rather than filler: `text(size)` is a pure
+    function whose text grows with `size`, from `smallest` up, and the prompt builder takes
+    the largest size that fits the length."""
+
+    text: Callable[[int], str]
+    smallest: int = 1
+
+
+@dataclass(slots=True, frozen=True)
 class Problem:
-    """One generated question. `expected` holds every item a correct answer must contain."""
+    """One generated question. `expected` holds every item a correct answer must contain.
+    With a `body`, the haystack is the body's text and there are no inserts."""
 
     intro: str
     question: str
@@ -33,6 +46,7 @@ class Problem:
     expected: tuple[str, ...]
     kind: str
     max_tokens: int
+    body: Body | None = None
 
 
 def random_key(rng: random.Random, taken: set[str]) -> str:

@@ -1,4 +1,4 @@
-"""The tasks by name: the passkey needle and the RULER-style set."""
+"""The tasks by name: the passkey needle, the RULER-style set and its aggregation tasks."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import random
 from types import MappingProxyType
 from typing import Callable
 
-from astream.eval import ruler
+from astream.eval import aggregation, ruler
 from astream.eval.problem import NUMBER, Insert, Problem, random_key
 
 NEEDLE = "needle"
 RULER_TASKS = ("distractor", "multikey", "multivalue", "vartrack")
+# Opt-in, so a default `astream eval ruler` stays comparable with earlier figures.
+AGGREGATION_TASKS = ("cwe", "fwe")
 
 ProblemMaker = Callable[[random.Random, int, float], Problem]
 
@@ -26,7 +28,8 @@ def needle(rng: random.Random, length: int, depth: float) -> Problem:
 
 TASKS: MappingProxyType[str, ProblemMaker] = MappingProxyType({
     NEEDLE: needle, "distractor": ruler.distractor, "multikey": ruler.multikey,
-    "multivalue": ruler.multivalue, "vartrack": ruler.vartrack})
+    "multivalue": ruler.multivalue, "vartrack": ruler.vartrack,
+    "cwe": aggregation.cwe, "fwe": aggregation.fwe})
 
 
 def make_problem(task: str, rng: random.Random, length: int, depth: float) -> Problem:
