@@ -108,3 +108,12 @@ def test_the_engine_logs_where_its_memory_goes(caplog):
             pass
     lines = [r.getMessage() for r in caplog.records if "memory plan" in r.getMessage()]
     assert len(lines) == 1 and "host pinned" in lines[0] and "policy_metadata" in lines[0]
+
+
+def test_every_device_field_of_the_memory_plan_counts_in_its_total():
+    from dataclasses import fields
+
+    from astream.kvcache.sizing import DEVICE_PARTS, MemoryPlan
+    assert set(DEVICE_PARTS) == {f.name for f in fields(MemoryPlan)} - {"host_pool"}
+    plan = MemoryPlan(**{name: 1 << i for i, name in enumerate(DEVICE_PARTS)}, host_pool=1 << 20)
+    assert plan.device_total == (1 << len(DEVICE_PARTS)) - 1

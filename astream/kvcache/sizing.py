@@ -68,6 +68,11 @@ class MemoryAvailable:
         return cls(free, total, _host_available_bytes())
 
 
+# MemoryPlan's device fields, in the order the start-up line shows them; the device total is their sum.
+DEVICE_PARTS = ("weights", "device_kv", "ring", "staging", "tails", "policy_metadata",
+                "decode_buffers", "prefix_buffers", "prefill_context", "activations")
+
+
 @dataclass(slots=True, frozen=True)
 class MemoryPlan:
     """Where a cache plan's memory goes, in bytes (docs/ENGINE.md, "Memory plan").
@@ -94,15 +99,11 @@ class MemoryPlan:
 
     @property
     def device_total(self) -> int:
-        return (self.weights + self.device_kv + self.ring + self.staging + self.tails
-                + self.policy_metadata + self.decode_buffers + self.prefix_buffers
-                + self.prefill_context + self.activations)
+        return sum(getattr(self, name) for name in DEVICE_PARTS)
 
     def describe(self) -> str:
         """One line: host pool, device total, and each device part, in GiB."""
-        parts = ("weights", "device_kv", "ring", "staging", "tails", "policy_metadata",
-                 "decode_buffers", "prefix_buffers", "prefill_context", "activations")
-        shown = ", ".join(f"{name} {getattr(self, name) / _GiB:.2f}" for name in parts
+        shown = ", ".join(f"{name} {getattr(self, name) / _GiB:.2f}" for name in DEVICE_PARTS
                           if getattr(self, name))
         return (f"host pinned {self.host_pool / _GiB:.2f} GiB, device {self.device_total / _GiB:.2f} "
                 f"GiB ({shown})")
