@@ -73,18 +73,20 @@ def vertical_slash_index(q: Tensor, k: Tensor, *, last_q: int, vertical_size: in
     last = min(last_q, n_q)
     vertical = torch.empty(n_heads, n_k, dtype=torch.float32, device=q.device)
     slash = torch.empty_like(vertical)
-    for h0, h1 in head_slices(n_heads, n_heads // kv_heads, last * n_k * 4, ESTIMATE_BYTES):
+    # Row i of the last queries sits at position n_k - last + i; its weight on key u lies on
+    # diagonal delta = n_k - last + i - u. Shifted right by last - 1 - i, every row puts
+    # diagonal delta in column n_k - 1 - delta (zeros enter from the left padding).
+    shift = torch.arange(last, device=q.device).view(-1, 1) + 1
+    cols = (torch.arange(n_k, device=q.device).view(1, -1) + shift).view(1, last, n_k)
+    # A head's weights, their padded copy and the aligned rows are alive at once.
+    head_bytes = last * (n_k + last) * 4 * 3
+    for h0, h1 in head_slices(n_heads, n_heads // kv_heads, head_bytes, ESTIMATE_BYTES):
         probs = last_query_weights(q, k, last_q, scale, (h0, h1))                  # [h, L, Tk]
         vertical[h0:h1] = probs.sum(1)
-        # Row i of the last queries sits at position n_k - last + i; its weight on key u lies
-        # on diagonal delta = n_k - last + i - u. Shifted right by last - 1 - i, every row
-        # puts diagonal delta in column n_k - 1 - delta.
-        aligned = slash[h0:h1]
-        aligned.zero_()
-        for i in range(last):
-            shift = last - 1 - i
-            aligned[:, shift:] += probs[:, i, :n_k - shift]
+        padded = torch.nn.functional.pad(probs, (last, 0))                      # [h, L, last + Tk]
         del probs
+        slash[h0:h1] = padded.gather(2, cols.expand(h1 - h0, -1, -1)).sum(1)
+        del padded
     slash = slash.flip(-1)                       # [H, Tk]: index delta = distance to the diagonal
     vertical[:, :sink] = float("inf")
     slash[:, :local] = float("inf")
