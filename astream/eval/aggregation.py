@@ -8,6 +8,7 @@ before the size is known, and every size keeps them strictly the most frequent.
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 from astream.eval.problem import WORD, Body, Problem
 
@@ -26,20 +27,22 @@ _ZIPF_EXPONENT = 2             # RULER's exponent for its coded text
 def made_up_word(rng: random.Random, taken: set[str], syllables: int = 3) -> str:
     """A pronounceable word that is no English word one would meet ('tamoki'), unlike every
     string in `taken`: the vocabulary never runs out and no word is more familiar than another."""
-    while True:
-        word = "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(syllables))
-        if word not in taken:
-            taken.add(word)
-            return word
+    return _new_word(taken, lambda: "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS)
+                                            for _ in range(syllables)))
 
 
 def coded_word(rng: random.Random, taken: set[str], letters: int = 5) -> str:
     """Random lowercase letters ('qzvkt'), unlike every string in `taken`."""
-    while True:
-        word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(letters))
-        if word not in taken:
-            taken.add(word)
-            return word
+    return _new_word(taken, lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                                            for _ in range(letters)))
+
+
+def _new_word(taken: set[str], draw: Callable[[], str]) -> str:
+    """The first word `draw` gives that is not in `taken`, added to it."""
+    while (word := draw()) in taken:
+        pass
+    taken.add(word)
+    return word
 
 
 def common_repeats(entries: int) -> int:
