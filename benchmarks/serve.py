@@ -633,7 +633,8 @@ def main(argv: list[str] | None = None) -> dict:
         offline = run_offline(args, serve_args, rounds)
         for run in runs:
             tok_s = run["metrics"]["all"]["output_tok_s"]
-            run["vs_offline"] = round(tok_s / offline["output_tok_s"], 3) if tok_s else None
+            median = offline["output_tok_s_spread"]["median"]
+            run["vs_offline"] = round(tok_s / median, 3) if tok_s else None
     summary = summarize_rounds(runs, offline)
 
     print()
