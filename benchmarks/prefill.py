@@ -1,6 +1,6 @@
 """Prefill attention kernels and end-to-end prefill speed: FlashAttention-2 against cuDNN.
 
-Two sections, both on one process and one device, each kernel set side by side:
+Three sections, on one process and one device, each kernel set side by side:
 
 - kernels: every part a chunked prefill is made of (the causal square of a chunk over
   itself, a chunk over an earlier prefix without a mask, and a chunk after its prefix as
@@ -10,7 +10,14 @@ Two sections, both on one process and one device, each kernel set side by side:
   weights), resident or --offload, --chunk tokens a step, in tokens per second; each
   kernel set prefills fresh prompts --repeat times in turn.
 
+- plans: what cuDNN's execution plans cost (run it alone, in a fresh process): the startup
+  warm-up of every shape a server with --chunk-token steps and --plan-context tokens of
+  context meets (ops.cudnn_attention.warm_up), a shape off the ladder built on first use,
+  and chunks of ragged lengths after it through the engine's path, first call against the
+  next ones (planned at startup, the first call costs what the others do).
+
     python benchmarks/prefill.py [--sections kernels,engine] [--offload] [--repeat 3]
+    python benchmarks/prefill.py --sections plans --chunk 8192 --plan-context 32768
     python benchmarks/prefill.py --smoke          # CPU, tiny shapes: checks the script only
 """
 
@@ -106,6 +113,53 @@ def kernel_speed(sets: dict, reps: int, cases: list) -> list[dict]:
     return rows
 
 
+# (queries, prefix keys): chunks of lengths the scheduler cuts, none a power of two.
+PLAN_CASES = [(7168, 13312), (3072, 5120), (6144, 25600), (5120, 1024)]
+
+
+def first_and_next_ms(fn, reps: int) -> dict:
+    """Wall milliseconds of fn's first call (a plan built then shows here) and the median of
+    the next `reps`, each to the device's completion."""
+    times = []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+    return {"first_ms": round(times[0], 2), "next_ms": round(percentile(times[1:], 50), 2)}
+
+
+def plan_costs(chunk: int, context: int, reps: int) -> dict:
+    device = torch.device("cuda")
+    backends = AttentionBackends.select(device, torch.bfloat16, HEAD_DIM)
+    if not backends.cudnn_prefill:
+        return {"skipped": "cuDNN prefill is not used on this device"}
+    scale = HEAD_DIM ** -0.5
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    count = cudnn_attention.warm_up(cudnn_attention.cudnn_dense, chunk, context, HEADS, KV_HEADS,
+                                    HEAD_DIM, torch.bfloat16, device, scale)
+    torch.cuda.synchronize()
+    result = {"chunk": chunk, "context": context, "shapes": count,
+              "warm_up_s": round(time.perf_counter() - start, 3)}
+    print(result, flush=True)
+    off = inputs(3000, 0, True, "cuda", torch.bfloat16, seed=7)
+    result["off_ladder_3000_square"] = first_and_next_ms(
+        lambda: cudnn_attention.cudnn_dense(*off[:3], causal=True, scale=scale), reps)
+    print(result["off_ladder_3000_square"], flush=True)
+    rows = []
+    for i, (n_q, prefix) in enumerate(PLAN_CASES):
+        if n_q > chunk or n_q + prefix > context:
+            continue
+        q, k, v, meta = inputs(n_q, prefix, True, "cuda", torch.bfloat16, seed=20 + i)
+        rows.append({"queries": n_q, "prefix": prefix, **first_and_next_ms(
+            lambda: backends.varlen(q, k, v, meta, causal=True, scale=scale), reps)})
+        print(rows[-1], flush=True)
+    result["chunks"] = rows
+    return result
+
+
 def prefill_seconds(core: EngineCore, ctx: int, seed: int) -> float:
     prompt = torch.randint(100, 49152, (ctx,), generator=torch.Generator().manual_seed(seed)).tolist()
     core.runtime.synchronize()
@@ -153,6 +207,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="8192,32768,131072")
     parser.add_argument("--chunk", type=int, default=16384, help="prefill tokens a step")
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--plan-context", type=int, default=32768, help="plans: the server's max_model_len")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5, help="timed calls per kernel case")
     parser.add_argument("--small", action="store_true", help="kernels: the small parts (threshold)")
@@ -162,6 +217,9 @@ def main() -> None:
     device = "cpu" if args.smoke else "cuda"
     results: dict = {"sections": args.sections}
     sections = args.sections.split(",")
+    if "plans" in sections and not args.smoke:
+        results["plans"] = plan_costs(args.chunk, args.plan_context, args.reps)
+        save(args.name, results, smoke=args.smoke)
     if "kernels" in sections:
         sets = kernel_sets(device)
         results["kernel_errors"] = kernel_errors(device, sets, args.smoke)

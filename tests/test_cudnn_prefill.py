@@ -58,6 +58,70 @@ def test_unmasked_part_is_one_dense_call():
     assert calls == [False]
 
 
+SMALL = cudnn_attention.ShapeLadder(step=8, max_queries=32, max_keys=64)
+
+
+@pytest.mark.parametrize("n_q,prefix,causal", [(56, 200, True), (56, 0, True), (24, 72, False),
+                                               (32, 64, True), (40, 8, True)])
+def test_ladder_parts_merge_to_the_reference_and_use_only_ladder_shapes(n_q, prefix, causal):
+    """A chunk of 56 rows (32 + 16 + 8) over 200 keys of prefix (64 + 64 + 64 + 8): every
+    part cuDNN would see has a ladder shape, and the parts merge to exact attention."""
+    n_k = prefix + (n_q if causal else 0)
+    q, k, v = random_qkv(n_q, n_k)
+    seen = []
+
+    def recording(q, k, v, *, causal, scale):
+        seen.append((q.shape[0], k.shape[0], causal))
+        return dense_reference(q, k, v, causal=causal, scale=scale)
+
+    out, lse = cudnn_attention.one_sequence(recording, merge_into_rows_ref, q, k, v, causal=causal,
+                                            scale=0.3, ladder=SMALL)
+    meta = varlen_meta([0, n_q], [0, n_k], q.device)
+    want_out, want_lse = varlen_attention_ref(q, k, v, meta, causal=causal, scale=0.3)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    assert set(seen) <= set(SMALL.shapes(n_q, n_k))
+    assert all(n in (8, 16, 32, 64) for shape in seen for n in shape[:2])
+
+
+def test_every_chunk_the_engine_sends_meets_only_shapes_planned_at_startup():
+    """Chunks of any multiple of the step up to the batch budget, after any aligned prefix up
+    to max_model_len, see only the shapes `warm_up` builds; their count stays small."""
+    budget, max_len, step = 8192, 32768, CUDNN_SHAPE_STEP
+    planned = set(cudnn_attention.LADDER.shapes(budget, max_len))
+    assert len(planned) <= 32
+    seen = set()
+
+    def shapes_only(q, k, v, *, causal, scale):
+        seen.add((q.shape[0], k.shape[0], causal))
+        return torch.zeros_like(q), torch.zeros(q.shape[:2])
+
+    def no_merge(out, lse, rows, part_out, part_lse):
+        return out, lse
+
+    for n_q in range(CUDNN_MIN_QUERIES, budget + 1, step):
+        for prefix in range(0, max_len - n_q + 1, step):
+            q, k = torch.empty(n_q, 1, 1), torch.empty(prefix + n_q, 1, 1)
+            assert takes_cudnn(n_q, prefix + n_q)
+            cudnn_attention.one_sequence(shapes_only, no_merge, q, k, k, causal=True, scale=1.0)
+    assert seen <= planned
+
+
+def test_warm_up_runs_each_planned_shape_once():
+    calls = []
+
+    def recording(q, k, v, *, causal, scale):
+        calls.append((q.shape[0], k.shape[0], causal))
+        assert q.shape[1:] == (4, 16) and k.shape[1:] == v.shape[1:] == (2, 16)
+        assert q.is_contiguous() and k.is_contiguous()
+
+    count = cudnn_attention.warm_up(recording, 56, 200, 4, 2, 16, torch.float32, torch.device("cpu"),
+                                    0.25, ladder=SMALL)
+    assert count == len(calls) == len(set(calls))
+    assert set(calls) == set(SMALL.shapes(56, 200))
+    assert {c for c in calls if c[2]} == {(8, 8, True), (16, 16, True), (32, 32, True)}
+
+
 def test_fewer_keys_than_causal_queries_is_refused():
     q, k, v = random_qkv(10, 4)
     with pytest.raises(ValueError, match="10 queries over 4 keys"):
@@ -139,6 +203,22 @@ def test_cudnn_path_matches_reference_on_gpu(n_q, prefix, causal, dim, monkeypat
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("n_q,prefix", [(7168, 5120), (3072, 70656)])
+def test_ladder_blocks_and_pieces_match_reference_on_gpu(n_q, prefix):
+    """Several query blocks (4096 + 2048 + 1024) over several key pieces, and a prefix past the
+    ladder's largest piece, on cuDNN against the float32 reference."""
+    backends = AttentionBackends.select(torch.device("cuda"), torch.bfloat16, 128)
+    n_k = prefix + n_q
+    q, k, v = random_qkv(n_q, n_k, "cuda", torch.bfloat16, heads=4, kv_heads=2, dim=128)
+    meta = varlen_meta([0, n_q], [0, n_k], q.device)
+    out, lse = backends.varlen(q, k, v, meta, causal=True, scale=128 ** -0.5)
+    want_out, want_lse = varlen_attention_ref(q.float(), k.float(), v.float(), meta, causal=True,
+                                              scale=128 ** -0.5)
+    assert (out.float() - want_out).abs().max().item() < 2e-2 * want_out.abs().max().item()
+    assert (lse - want_lse).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 def test_packed_batch_with_a_long_sequence_matches_reference_on_gpu():
     backends = AttentionBackends.select(torch.device("cuda"), torch.bfloat16, 128)
     cu_q, cu_k = [0, 300, 300 + CUDNN_MIN_QUERIES], [0, 700, 700 + CUDNN_MIN_QUERIES + 1024]
@@ -175,3 +255,50 @@ def test_a_failing_cudnn_part_falls_back_to_the_varlen_kernel(monkeypatch):
     monkeypatch.setattr(cudnn_attention, "cudnn_dense", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         backends.varlen(q, k, v, meta, causal=True, scale=0.2)
+
+
+def test_the_engine_plans_every_shape_at_startup_and_its_prefills_meet_no_other(
+        tiny_qwen3, tmp_path, monkeypatch):
+    """Through the engine (CPU, the reference kernel standing in for cuDNN): building it plans
+    the ladder's shapes; a long prompt's chunks then meet only those, and its tokens are the
+    plain path's."""
+    import json
+    import shutil
+
+    from astream import LLM, SamplingParams
+
+    model = shutil.copytree(tiny_qwen3, tmp_path / "long")       # the same weights, 8K positions
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    calls: dict[str, list] = {"startup": [], "prefill": []}
+    phase = ["startup"]
+
+    def standing_in(q, k, v, *, causal, scale):
+        calls[phase[0]].append((q.shape[0], k.shape[0], causal))
+        if phase[0] == "startup":
+            return None
+        return dense_reference(q, k, v, causal=causal, scale=scale)
+
+    prompt = torch.randint(100, 2000, (4096,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    options = dict(device="cpu", dtype="float32", max_model_len=8192, max_num_batched_tokens=2048,
+                   max_num_seqs=2)
+    plain = LLM(str(model), **options)
+    try:
+        want = plain.generate([prompt], params)[0].token_ids
+    finally:
+        plain.close()
+
+    monkeypatch.setattr(AttentionBackends, "select",
+                        classmethod(lambda cls, *a: cls("reference", "reference", cudnn_prefill=True)))
+    monkeypatch.setattr(cudnn_attention, "cudnn_dense", standing_in)
+    llm = LLM(str(model), **options)
+    try:
+        phase[0] = "prefill"
+        got = llm.generate([prompt], params)[0].token_ids
+    finally:
+        llm.close()
+    assert set(calls["startup"]) == set(cudnn_attention.LADDER.shapes(2048, 8192))
+    assert (2048, 2048, True) in calls["prefill"] and (2048, 2048, False) in calls["prefill"]
+    assert set(calls["prefill"]) <= set(calls["startup"])
+    assert got == want

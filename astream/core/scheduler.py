@@ -15,10 +15,12 @@ parked until it is resumed.
 
 Short prompts first: a waiting sequence of at most `short_prompt_tokens` tokens is
 admitted before any longer one of a client with as many running (fairness between
-clients comes first), and while one waits (with a running slot free for it),
-the chunks of unfinished long prompts leave it up to half the step's token budget. So
-a chat turn that arrives while long prompts prefill gets its first token within a step
-or two, and the long prompts still advance every step.
+clients comes first), and while one waits (with a running slot free for it), the chunks
+of unfinished long prompts shrink to a quarter of the step's token budget (and leave the
+short ones up to half of it). A step's time grows with its tokens, so the step that
+admits a chat turn arriving while long prompts prefill is a short one: its first token
+comes after the step already running and one quick step, and the long prompts still
+advance every step.
 
 Running slots: a sequence that starts running takes the lowest free slot number below
 max_num_seqs (`seq.slot`) and gives it back when it stops (preempted or finished). With
@@ -35,6 +37,11 @@ from astream.base.errors import PromptTooLongError
 from astream.core.sequence import Sequence, SequenceStatus
 from astream.core.wait_queue import WaitQueue
 from astream.kvcache.block_manager import BlockManager
+
+
+# While a short prompt waits, unfinished long prompts' chunks take at most 1/SHORT_STEP_SHARE
+# of the step's token budget, so the step that admits it ends quickly.
+SHORT_STEP_SHARE = 4
 
 
 @dataclass(slots=True, frozen=True)
@@ -176,6 +183,7 @@ class Scheduler:
         self._rebalance()
         budget = self.config.max_num_batched_tokens
         reserve = self._short_reserve(budget)
+        long_budget = budget // SHORT_STEP_SHARE if reserve else budget
         items: list[ScheduledSeq] = []
         preempted = False
         running, block_size = self.running, self.blocks.block_size
@@ -184,9 +192,11 @@ class Scheduler:
             seq = running[index]
             index += 1
             prefilling = seq.num_tokens - seq.num_computed_tokens > 1
-            n = self._chunk(seq, budget - reserve if prefilling else budget)
+            n = self._chunk(seq, min(budget - reserve, long_budget) if prefilling else budget)
             if n <= 0 or seq.paused:
                 continue
+            if prefilling:
+                long_budget -= n
             # Most steps of a decode fit in the blocks it holds: no allocation, no preemption.
             if seq.num_computed_tokens + n > len(seq.block_table) * block_size \
                     and not self._make_room(seq, n):
@@ -195,7 +205,7 @@ class Scheduler:
             items.append(self._take(seq, n))
             budget -= n
         if not preempted and self.waiting:
-            self._admit(budget, items)
+            self._admit(budget, items, long_budget)
         if not items:
             return None
         self.steps += 1
@@ -254,19 +264,25 @@ class Scheduler:
         self.blocks.grow(seq, target)
         return True
 
-    def _admit(self, budget: int, items: list[ScheduledSeq]) -> None:
+    def _admit(self, budget: int, items: list[ScheduledSeq], long_budget: int) -> None:
+        """Admit waiting sequences while budget, slots and blocks allow; prompts longer than
+        short ones take their chunks from long_budget too."""
         counts = Counter(s.client for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.fairest(counts)
             if seq.num_pending:
                 break         # a sampled id still in flight: it can be admitted next step
-            item = self._try_admit(seq, budget, reserve=self._watermark())
+            long = seq.num_tokens > self.config.short_prompt_tokens
+            item = self._try_admit(seq, min(budget, long_budget) if long else budget,
+                                   reserve=self._watermark())
             if item is None:
                 break
             self.waiting.remove(seq)
             counts[seq.client] += 1
             items.append(item)
             budget -= item.num_tokens
+            if long:
+                long_budget -= item.num_tokens
 
     def _watermark(self) -> int:
         return max(1, self.blocks.num_blocks // 100) if self.running else 0

@@ -4,6 +4,9 @@ policy is bound to the cache here, once."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from astream.base.config import EngineConfig
@@ -16,9 +19,12 @@ from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
 from astream.kvcache.sizing import CachePlan
 from astream.models.decoder import Decoder
+from astream.ops import cudnn_attention
 from astream.ops.backends import AttentionBackends
 from astream.policies import KVLayout, SparsePolicy
 from astream.runtime.device import DeviceRuntime
+
+log = logging.getLogger("astream")
 
 
 def kv_format(config: EngineConfig, decoder: Decoder, tokenizer) -> KVFormat:
@@ -67,7 +73,23 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
         cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, fmt, device)
         runner = ModelRunner(**parts, cache=cache)
     runner.graphs = build_graphs(config, plan, runner)
+    warm_up_prefill_plans(config, plan, runner)
     return runner
+
+
+def warm_up_prefill_plans(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> None:
+    """Build cuDNN's plans for every prefill shape the engine can meet, before the first
+    request: built later, each would stall the step that first meets it (ops.cudnn_attention)."""
+    if not runner.backends.cudnn_prefill:
+        return
+    model, started = runner.decoder.config, time.perf_counter()
+    with torch.inference_mode():
+        count = cudnn_attention.warm_up(
+            cudnn_attention.cudnn_dense, plan.max_num_batched_tokens, plan.max_model_len, model.num_heads,
+            model.num_kv_heads, model.head_dim, runner.decoder.dtype, runner.runtime.device,
+            runner.scale)
+    log.info("astream: cuDNN prefill attention ready, %d shapes planned in %.1f s", count,
+             time.perf_counter() - started)
 
 
 def build_graphs(config: EngineConfig, plan: CachePlan,

@@ -26,11 +26,11 @@ VarlenFn = Callable[..., tuple[Tensor, Tensor]]
 # A sequence with fewer queries in a part keeps FlashAttention-2: too small for cuDNN's lead
 # to pay for its extra launches (see docs/BENCHMARKS.md, prefill kernels).
 CUDNN_MIN_QUERIES = 2048
-# cuDNN builds an execution plan for every new (queries, keys) shape, 70 ms to over a second
-# on the H100, so only parts whose lengths are multiples of this go to it: the full chunks
-# of a chunked prefill and their chunk-aligned prefixes, a few shapes that repeat across
-# prompts. A prompt's ragged last chunk keeps FlashAttention-2.
-CUDNN_SHAPE_STEP = 1024
+# cuDNN builds an execution plan for every new problem shape, so only parts whose lengths
+# are multiples of the ladder's step go to it (cut there into the ladder's few shapes, whose
+# plans the engine builds at startup): the full chunks of a chunked prefill and their
+# chunk-aligned prefixes. A prompt's ragged last chunk keeps FlashAttention-2.
+CUDNN_SHAPE_STEP = cudnn_attention.LADDER.step
 KVScalesArg = tuple[Tensor, Tensor] | None      # (k, v) [KVH] float32 of a scaled (fp8) cache
 
 _VARLEN: dict[str, VarlenFn] = {

@@ -8,11 +8,19 @@ view of the packed [T, H, D] rows, so nothing is copied. K/V may have fewer head
 cuDNN's causal mask is top-left aligned, the engine's bottom-right (a chunk sees its whole
 prefix), so a chunk after a prefix is two problems merged by lse: the chunk over the
 prefix without a mask, and the causal square of the chunk over itself.
+
+cuDNN builds an execution plan for every new problem shape, 70 ms to over a second on the
+H100, and keeps it for the process. Chunks of any length over prefixes of any length would
+build plans for as long as a server runs, each one stalling the step that meets it. So a
+problem is cut along a `ShapeLadder`: queries into blocks, keys into pieces, of power-of-two
+lengths, and the parts are merged by lse. The shapes are then few and known before the first
+request (`ShapeLadder.shapes`), and the engine builds their plans at startup (`warm_up`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -54,7 +62,10 @@ def cudnn_dense(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
 
     causal is top-left aligned (query i sees keys j <= i); the callers pass Tq == Tk.
     """
-    heads_first = [x.unsqueeze(0).transpose(1, 2) for x in (q, k, v)]
+    # Strides are part of a plan's key: rows of a packed tensor are laid out alike, but a
+    # first chunk's v is a view into the QKV projection, so a copy keeps its plan the
+    # one `warm_up` built (a few MB, against a problem of thousands of rows).
+    heads_first = [x.contiguous().unsqueeze(0).transpose(1, 2) for x in (q, k, v)]
     result = torch.ops.aten._scaled_dot_product_cudnn_attention(
         *heads_first, None, True, 0.0, causal, False, scale=scale)
     out = result[0].transpose(1, 2).squeeze(0)
@@ -62,21 +73,115 @@ def cudnn_dense(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     return out, lse
 
 
+@dataclass(slots=True, frozen=True)
+class ShapeLadder:
+    """The lengths cuDNN sees: powers of two from `step` up to `max_queries` (query blocks)
+    and `max_keys` (key pieces); a length that is not a multiple of `step` keeps its ragged
+    rest as one more part (never the case for what `takes_cudnn` routes here)."""
+
+    step: int = 1024
+    max_queries: int = 16384
+    max_keys: int = 65536
+
+    def query_blocks(self, n: int) -> list[int]:
+        return _powers_of_two(n, self.step, self.max_queries)
+
+    def key_pieces(self, n: int) -> list[int]:
+        return _powers_of_two(n, self.step, self.max_keys)
+
+    def shapes(self, max_queries: int, max_keys: int) -> list[tuple[int, int, bool]]:
+        """Every (queries, keys, causal) a chunk of at most max_queries rows over at most
+        max_keys keys can meet: causal squares of each block, and each block over each piece."""
+        blocks = _ladder(self.step, min(self.max_queries, max_queries))
+        pieces = _ladder(self.step, min(self.max_keys, max_keys))
+        return [(b, b, True) for b in blocks] + [(b, p, False) for b in blocks for p in pieces]
+
+
+LADDER = ShapeLadder()
+
+
+def _ladder(smallest: int, largest: int) -> list[int]:
+    sizes, size = [], smallest
+    while size <= largest:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def _powers_of_two(n: int, smallest: int, largest: int) -> list[int]:
+    """n as parts of the ladder, largest first: 7168 -> [4096, 2048, 1024] (1024 to 8192)."""
+    parts, sizes = [], _ladder(smallest, largest)[::-1]
+    for size in sizes:
+        while n >= size:
+            parts.append(size)
+            n -= size
+    if n:
+        parts.append(n)
+    return parts
+
+
 def one_sequence(dense: DenseFn, merge: MergeFn, q: Tensor, k: Tensor, v: Tensor, *,
-                 causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+                 causal: bool, scale: float,
+                 ladder: ShapeLadder = LADDER) -> tuple[Tensor, Tensor]:
     """Varlen semantics for one sequence (causal bottom-right aligned) from a dense kernel
-    whose causal mask is top-left aligned: prefix part and causal square, merged by lse."""
+    whose causal mask is top-left aligned, on the ladder's shapes only: each query block is
+    the causal square over its own rows plus unmasked pieces of everything before them."""
     n_q, n_k = q.shape[0], k.shape[0]
-    if not causal or n_k == n_q:
-        return dense(q, k, v, causal=causal, scale=scale)
-    if n_k < n_q:
+    if causal and n_k < n_q:
         raise ValueError(f"causal attention of {n_q} queries over {n_k} keys: "
                          "the first queries would see no key")
-    prefix = n_k - n_q
-    out, lse = dense(q, k[:prefix], v[:prefix], causal=False, scale=scale)
-    square_out, square_lse = dense(q, k[prefix:], v[prefix:], causal=True, scale=scale)
-    rows = torch.arange(n_q, device=q.device)
-    return merge(out, lse.contiguous(), rows, square_out, square_lse)
+    blocks = ladder.query_blocks(n_q)
+    if len(blocks) == 1:
+        return _one_block(dense, merge, q, k, v, n_k - n_q, causal, scale, ladder)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    start = 0
+    for size in blocks:
+        end = start + size
+        # A block sees what the whole chunk's prefix sees plus the chunk's rows before it.
+        keys = n_k - n_q + end if causal else n_k
+        out[start:end], lse[start:end] = _one_block(dense, merge, q[start:end], k[:keys],
+                                                    v[:keys], keys - size, causal, scale, ladder)
+        start = end
+    return out, lse
+
+
+def _one_block(dense: DenseFn, merge: MergeFn, q: Tensor, k: Tensor, v: Tensor, prefix: int,
+               causal: bool, scale: float, ladder: ShapeLadder) -> tuple[Tensor, Tensor]:
+    """One query block: its causal square (the last len(q) keys) and unmasked key pieces
+    of the `prefix` keys before it; without causal, unmasked pieces of every key."""
+    parts, rows = [], None
+    if causal:
+        parts.append(dense(q, k[prefix:], v[prefix:], causal=True, scale=scale))
+    else:
+        prefix = k.shape[0]
+    start = 0
+    for size in ladder.key_pieces(prefix):
+        parts.append(dense(q, k[start:start + size], v[start:start + size], causal=False,
+                           scale=scale))
+        start += size
+    out, lse = parts[0]
+    for part_out, part_lse in parts[1:]:
+        rows = torch.arange(q.shape[0], device=q.device) if rows is None else rows
+        out, lse = merge(out, lse.contiguous(), rows, part_out, part_lse)
+    return out, lse
+
+
+def warm_up(dense: DenseFn, max_queries: int, max_keys: int, heads: int, kv_heads: int,
+            head_dim: int, dtype: torch.dtype, device: torch.device, scale: float,
+            ladder: ShapeLadder = LADDER) -> int:
+    """Build the plan of every shape the ladder gives chunks of at most max_queries rows over
+    at most max_keys keys, on zeros laid out as the engine's rows are; returns how many."""
+    shapes = ladder.shapes(max_queries, max_keys)
+    if not shapes:
+        return 0
+    longest_q = max(s[0] for s in shapes)
+    longest_k = max(s[1] for s in shapes)
+    q = torch.zeros(longest_q, heads, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(longest_k, kv_heads, head_dim, dtype=dtype, device=device)
+    for n_q, n_k, causal in shapes:
+        dense(q[:n_q], k[:n_k], k[:n_k], causal=causal, scale=scale)
+    return len(shapes)
 
 
 def by_sequence(long_part: PartFn, short_part: PartFn, q: Tensor, k: Tensor, v: Tensor,
