@@ -138,8 +138,8 @@ def plan_costs(chunk: int, context: int, reps: int) -> dict:
     scale = HEAD_DIM ** -0.5
     torch.cuda.synchronize()
     start = time.perf_counter()
-    count = cudnn_attention.warm_up(cudnn_attention.cudnn_dense, chunk, context, HEADS, KV_HEADS,
-                                    HEAD_DIM, torch.bfloat16, device, scale)
+    count = cudnn_attention.warm_up(cudnn_attention.cudnn_dense, backends.merge_into_rows, chunk,
+                                    context, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, device, scale)
     torch.cuda.synchronize()
     result = {"chunk": chunk, "context": context, "shapes": count,
               "warm_up_s": round(time.perf_counter() - start, 3)}

@@ -85,7 +85,8 @@ def warm_up_prefill_plans(config: EngineConfig, plan: CachePlan, runner: ModelRu
     model, started = runner.decoder.config, time.perf_counter()
     with torch.inference_mode():
         count = cudnn_attention.warm_up(
-            cudnn_attention.cudnn_dense, plan.max_num_batched_tokens, plan.max_model_len, model.num_heads,
+            cudnn_attention.cudnn_dense, runner.backends.merge_into_rows,
+            plan.max_num_batched_tokens, plan.max_model_len, model.num_heads,
             model.num_kv_heads, model.head_dim, runner.decoder.dtype, runner.runtime.device,
             runner.scale)
     log.info("astream: cuDNN prefill attention ready, %d shapes planned in %.1f s", count,

@@ -167,11 +167,12 @@ def _one_block(dense: DenseFn, merge: MergeFn, q: Tensor, k: Tensor, v: Tensor, 
     return out, lse
 
 
-def warm_up(dense: DenseFn, max_queries: int, max_keys: int, heads: int, kv_heads: int,
-            head_dim: int, dtype: torch.dtype, device: torch.device, scale: float,
+def warm_up(dense: DenseFn, merge: MergeFn, max_queries: int, max_keys: int, heads: int,
+            kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, scale: float,
             ladder: ShapeLadder = LADDER) -> int:
     """Build the plan of every shape the ladder gives chunks of at most max_queries rows over
-    at most max_keys keys, on zeros laid out as the engine's rows are; returns how many."""
+    at most max_keys keys, on zeros laid out as the engine's rows are, and run the merge once
+    (a Triton kernel compiles at its first call); returns how many shapes."""
     shapes = ladder.shapes(max_queries, max_keys)
     if not shapes:
         return 0
@@ -181,6 +182,9 @@ def warm_up(dense: DenseFn, max_queries: int, max_keys: int, heads: int, kv_head
     k = torch.zeros(longest_k, kv_heads, head_dim, dtype=dtype, device=device)
     for n_q, n_k, causal in shapes:
         dense(q[:n_q], k[:n_k], k[:n_k], causal=causal, scale=scale)
+    if ladder.step * 2 <= longest_k:
+        one_sequence(dense, merge, q[:ladder.step], k[:2 * ladder.step], k[:2 * ladder.step],
+                     causal=True, scale=scale, ladder=ladder)
     return len(shapes)
 
 
