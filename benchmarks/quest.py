@@ -637,11 +637,11 @@ def scores(q, kmin, kmax, tables, lens, max_pages: int, block_p: int, warps: int
     out = torch.empty(q.shape[0], KV_HEADS, max_pages, dtype=torch.float32, device=q.device)
     use_dot, group_pad = group_tile(GROUP, DIM, None)
     tqs._table_scores_kernel[(q.shape[0], KV_HEADS, triton.cdiv(max_pages, block_p))](
-        q, kmin, kmax, tables, lens, out, q.stride(0), q.stride(1), kmin.stride(0),
+        q, kmin, kmax, tables, lens, out, max_pages, q.stride(0), q.stride(1), kmin.stride(0),
         kmin.stride(1), kmax.stride(0), kmax.stride(1), tables.stride(0), out.stride(0),
         out.stride(1), GROUP=GROUP, GROUP_PAD=group_pad, HEAD_DIM=DIM, D_PAD=DIM, BLOCK_P=block_p,
-        PAGE=PAGE, PPB=SWEEP_BLOCK // PAGE, USE_DOT=use_dot, PRECISION="tf32", SUM_GROUP=False,
-        num_warps=warps)
+        PAGE=PAGE, PPB=SWEEP_BLOCK // PAGE, USE_DOT=use_dot, PRECISION="tf32",
+        REDUCE=tqs.REDUCE_MAX.value, num_warps=warps)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch
 
 from astream import LLM, Engine, SamplingParams
 from astream.face.cli import _configs, build_parser
@@ -185,6 +186,40 @@ async def test_cancel_and_abort_return_every_block_with_quest(offload):
         with anyio.fail_after(20):
             while engine.stats()["kv_blocks_free"] != idle or engine.stats()["requests"]:
                 await anyio.sleep(0.01)
+
+
+def test_the_relative_reduction_named_in_a_spec_is_what_the_engine_selects(monkeypatch):
+    """quest(gqa_reduce=relative) under a small budget: every selection the engine makes is
+    the relative rule's, and many differ from what max would pick."""
+    from astream.ops.quest_select import select_decode_pages_ref
+    from astream.policies.quest.policy import QuestRuntime
+
+    calls = []
+    select = QuestRuntime.select_decode
+
+    def recording(runtime, layer, query):
+        chosen = select(runtime, layer, query)
+        inputs = (query.q, *runtime.bounds[layer], query.block_tables, query.context_lens)
+        calls.append(([t.clone() for t in inputs], query, chosen.indices.clone(),
+                      chosen.counts.clone()))
+        return chosen
+
+    monkeypatch.setattr(QuestRuntime, "select_decode", recording)
+    with LLM(**KW, sparse_policy="quest(gqa_reduce=relative)", sparse_budget=128) as llm:
+        llm.generate([LONG], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(calls) == 2 * 28                          # 2 decode steps x the sparse layers
+    differs = 0
+    for inputs, query, indices, counts in calls:
+        want = {}
+        for reduce in ("relative", "max"):
+            picks = select_decode_pages_ref(
+                *inputs, max_pages=-(-query.max_context // 16), block_size=16, page_size=16,
+                budget_pages=8, gqa_reduce=reduce, append_newest=query.append_newest)
+            want[reduce] = picks.indices[..., :picks.counts.max()]
+        got = indices[..., :counts.max()]
+        assert torch.equal(got, want["relative"])
+        differs += not torch.equal(got, want["max"])
+    assert differs > len(calls) // 2, differs
 
 
 @pytest.mark.parametrize("kwargs, message", [

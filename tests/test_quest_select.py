@@ -31,19 +31,26 @@ def test_physical_page_ids():
 def brute_scores(q, kmin, kmax, ids, num_pages, reduce):
     batch, heads, _ = q.shape
     kvh = kmin.shape[1]
+    group = heads // kvh
     out = torch.full((batch, kvh, ids.shape[1]), -INF, dtype=torch.float64)
     for b in range(batch):
-        for p in range(min(int(num_pages[b]), ids.shape[1])):
-            if ids[b, p] < 0:
-                continue
-            lo, hi = kmin[ids[b, p]].double(), kmax[ids[b, p]].double()
-            for h in range(heads):
-                qh = q[b, h].double()
-                s = torch.maximum(qh * lo[h * kvh // heads], qh * hi[h * kvh // heads]).sum()
-                g = h // (heads // kvh)
-                prev = out[b, g, p]
-                first = h % (heads // kvh) == 0
-                out[b, g, p] = s if first else (max(prev, s) if reduce == "max" else prev + s)
+        valid = [p for p in range(min(int(num_pages[b]), ids.shape[1])) if ids[b, p] >= 0]
+        per_head = {}
+        for h in range(heads):
+            qh = q[b, h].double()
+            for p in valid:
+                lo, hi = kmin[ids[b, p], h // group].double(), kmax[ids[b, p], h // group].double()
+                per_head[h, p] = float(torch.maximum(qh * lo, qh * hi).sum())
+        best = {h: max((per_head[h, p] for p in valid), default=-INF) for h in range(heads)}
+        for g in range(kvh):
+            for p in valid:
+                mine = [per_head[h, p] for h in range(g * group, (g + 1) * group)]
+                if reduce == "max":
+                    out[b, g, p] = max(mine)
+                elif reduce == "sum":
+                    out[b, g, p] = sum(mine)
+                else:       # relative: below the head's own best page, the nearest head's
+                    out[b, g, p] = max(s - best[h] for s, h in zip(mine, range(g * group, (g + 1) * group)))
     return out
 
 
@@ -53,7 +60,7 @@ def random_bounds(pages, kvh, dim, seed, dtype=torch.bfloat16):
     return torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
 
 
-@pytest.mark.parametrize("reduce", ["max", "sum"])
+@pytest.mark.parametrize("reduce", quest.GQA_REDUCTIONS)
 @pytest.mark.parametrize("group", [1, 4])
 def test_page_scores_match_formula(reduce, group):
     kmin, kmax = random_bounds(40, 2, 16, seed=group)
@@ -70,6 +77,38 @@ def test_page_scores_match_formula(reduce, group):
         page_scores_ref(q, kmin, kmax, ids, num_pages, gqa_reduce="mean")
 
 
+def test_relative_keeps_every_query_heads_best_page_where_max_lets_one_head_take_all():
+    """Query heads whose scores run ten times larger than their group's others: "max" fills
+    the budget with their pages; "relative" ranks each head's best page first (it scores 0),
+    so each head of the group keeps it."""
+    gen = torch.Generator().manual_seed(3)
+    kvh, group, dim, n_pages, budget = 2, 4, 32, 64, 2 + 4       # sink, recent, one per head
+    kmin, kmax = random_bounds(n_pages, kvh, dim, seed=3, dtype=torch.float32)
+    q = torch.randn(1, kvh * group, dim, generator=gen)
+    q[0, ::group] *= 10
+    ids = torch.arange(n_pages).view(1, -1)
+    num = torch.tensor([n_pages], dtype=torch.int32)
+    heads = brute_heads(q, kmin, kmax, n_pages)
+    inner = heads[:, 1:-1].argmax(-1) + 1                           # each head's best, not forced
+    for reduce in ("max", "relative"):
+        idx, counts = select_pages(page_scores_ref(q, kmin, kmax, ids, num, gqa_reduce=reduce),
+                                   num, budget)
+        kept = [int(inner[h]) in idx[0, h // group, :counts[0, h // group]].tolist()
+                for h in range(kvh * group)]
+        if reduce == "relative":
+            assert all(kept), kept
+        else:                   # the large heads keep theirs, most of the others lose it
+            assert all(kept[::group]) and sum(kept) < len(kept) // 2, kept
+
+
+def brute_heads(q, kmin, kmax, n_pages):
+    """[H, P] each query head's score of every page (ids = pages), in float64."""
+    group = q.shape[1] // kmin.shape[1]
+    lo, hi = (b.double().repeat_interleave(group, 1) for b in (kmin, kmax))    # [P, H, D]
+    qd = q[0].double()
+    return torch.maximum(qd * lo, qd * hi).sum(-1).T
+
+
 def brute_select(scores, n, budget, sink, recent):
     if n <= budget:
         return list(range(n))
@@ -78,13 +117,16 @@ def brute_select(scores, n, budget, sink, recent):
     return sorted(keep | set(rest[:budget - len(keep)]))
 
 
+@pytest.mark.parametrize("ties", [False, True])   # ties: few distinct scores, lowest page first
 @pytest.mark.parametrize("sink,recent", [(1, 1), (2, 3), (0, 1)])
 @pytest.mark.parametrize("width", [40, 6])  # 6 < budget: the padded-columns path
-def test_select_pages_matches_bruteforce(sink, recent, width):
+def test_select_pages_matches_bruteforce(sink, recent, width, ties):
     gen = torch.Generator().manual_seed(sink * 10 + recent)
     budget = 8
     num_pages = torch.tensor([0, 1, 3, 8, 9, 37, 40], dtype=torch.int32).clamp(max=width)
     scores = torch.randn(7, 3, width, generator=gen)
+    if ties:
+        scores = scores.mul(1.5).round()
     scores[5, 1, 4] = -INF  # a real page with a -inf score still outranks padding
     idx, counts = select_pages(scores, num_pages, budget, sink, recent)
     assert idx.shape == (7, 3, budget) and idx.dtype == counts.dtype == torch.int32
@@ -128,11 +170,12 @@ def test_planted_needle_is_selected():
 
 
 
+@pytest.mark.parametrize("reduce", quest.GQA_REDUCTIONS)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_stored_bounds_pick_what_dequantized_bounds_pick(fp8):
+def test_fp8_stored_bounds_pick_what_dequantized_bounds_pick(fp8, reduce):
     """An fp8 cache keeps the bounds of its stored keys (value / scale of their KV head):
-    each head's scale multiplies all its pages' scores alike, so the picks are those of the
-    bounds of the dequantized keys."""
+    each head's scale multiplies all its group's scores of all its pages alike, so under
+    every reduction the picks are those of the bounds of the dequantized keys."""
     block, page, kvh, dim, n_pages, budget = 32, 16, 4, 64, 96, 12
     gen = torch.Generator().manual_seed(5)
     scales = torch.tensor([0.02, 0.37, 1.0, 6.5])                 # per KV head, as calibrated
@@ -148,7 +191,8 @@ def test_fp8_stored_bounds_pick_what_dequantized_bounds_pick(fp8):
         quest.update_page_bounds(*bounds, keys, slots)
         picks.append(select_decode_pages_ref(
             q, *bounds, tables, torch.tensor([n_pages * page, 40 * page], dtype=torch.int32),
-            max_pages=n_pages, block_size=block, page_size=page, budget_pages=budget).indices)
+            max_pages=n_pages, block_size=block, page_size=page, budget_pages=budget,
+            gqa_reduce=reduce).indices)
     assert picks[0].dtype == torch.int32 and torch.equal(picks[0], picks[1])
 
 

@@ -1,6 +1,7 @@
 """Quest's Triton kernels against the torch references: page scores and selection (rows in
-registers and re-read, ties and near-ties), the bounds update (model dtype and fp8), and
-scores from fp8 bounds. In the interpreter on the CPU (in a subprocess), compiled on CUDA."""
+registers and re-read, ties and near-ties, every group reduction), the bounds update (model
+dtype and fp8), and scores from fp8 bounds. In the interpreter on the CPU (in a subprocess),
+compiled on CUDA. The two-level selection with its first level in the kernels: on CUDA."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from triton_interpreter import run_interpreted_check
 
 from astream.ops import quest
 from astream.ops.quest_select import (
-    Selection, page_scores_ref, physical_page_ids, select_decode_pages_ref,
+    Selection, page_scores_ref, physical_page_ids, select_decode_pages_grouped,
+    select_decode_pages_ref,
 )
 
 INF = float("inf")
@@ -24,6 +26,11 @@ FUSED_CASES = [
     ([4096, 3008], 1, 3, 8, 40, "max", f32),          # head_dim < 16: no tl.dot
     ([1536, 512], 4, 2, 64, 12, "max", f16),          # bf16 where compiled (see below)
     ([40960, 2048], 2, 2, 16, 50, "max", f32),        # rows of several 1,024-page chunks
+    # "relative": each query head's row written (Qwen2.5's group of 7 padded to 16), then
+    # reduced by the reference's torch
+    ([0, 32, 96, 640, 2048], 7, 2, 64, 6, "relative", f32),
+    ([1536, 512], 4, 2, 64, 12, "relative", f16),
+    ([4096, 3008], 3, 3, 8, 40, "relative", f32),
 ]
 
 
@@ -172,6 +179,31 @@ def check_triton_fp8_bounds_scores(device: str) -> int:
 N_TRITON_CASES = 4 * len(FUSED_CASES) + 1 + 6 + 16 + 2
 
 
+def check_triton_grouped(device: str) -> int:
+    """The two-level selection, its first level in the kernels, under every reduction:
+    groups that cover the context pick what one level picks; fewer groups pick what the
+    reference's two levels pick. Qwen2.5's group of 7 query heads; block 0 holds no
+    sequence's keys and bounds wider than any page's, as another sequence's block may."""
+    from test_quest_groups import BLOCK, PAGE, group_bounds, without_block_zero
+    n = 0
+    for i, reduce in enumerate(quest.GQA_REDUCTIONS):
+        case = without_block_zero(*fused_case([3008, 1600, 320], group=7, kvh=2, dim=64,
+                                              block=BLOCK, page=PAGE, seed=80 + i))
+        groups = group_bounds(case[1], case[2], 4)
+        kw = dict(max_pages=3008 // PAGE + BLOCK // PAGE, block_size=BLOCK, page_size=PAGE,
+                  budget_pages=10, sink_pages=1, recent_pages=2, gqa_reduce=reduce,
+                  append_newest=True, physical=True)
+        for factor in (64, 1):
+            args = (*case[:3], *groups, *case[3:])
+            got = on_cpu(select_decode_pages_grouped(*(t.to(device) for t in args), group_pages=4,
+                                                     group_factor=factor, **kw))
+            want = (select_decode_pages_ref(*case, **kw) if factor == 64 else
+                    select_decode_pages_grouped(*args, group_pages=4, group_factor=factor, **kw))
+            check_selection(got, want, None, ties_ok=False)
+            n += 1
+    return n
+
+
 def test_register_head_pads_little_and_rereads_little():
     from astream.ops.triton_quest_select import register_head
     assert register_head(8256) == 8192              # 64 pages re-read, not 8,128 lanes padded
@@ -189,3 +221,8 @@ def test_triton_selection_interpreter_matches_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_selection_on_gpu_matches_reference():
     assert check_triton_selection("cuda") == N_TRITON_CASES
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_grouped_selection_on_gpu_matches_reference():
+    assert check_triton_grouped("cuda") == 2 * len(quest.GQA_REDUCTIONS)

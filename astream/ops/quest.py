@@ -22,7 +22,7 @@ from astream.ops.kv_write import as_bytes
 from astream.ops.pages import pages_per_block
 
 DEFAULT_PAGE_SIZE = 16
-GQA_REDUCTIONS = ("max", "sum")
+GQA_REDUCTIONS = ("max", "sum", "relative")
 
 
 def allocate_page_bounds(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,

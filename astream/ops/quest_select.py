@@ -117,8 +117,8 @@ def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num
     entries at p >= num_pages[b] or < 0 are ignored) -> scores [B, KVH, P] float32.
 
     Per query head: sum_i max(q_i * min_i, q_i * max_i), an upper bound of q.k over the
-    page (unscaled). A KV head's score is the max (or sum) over its query heads.
-    Invalid pages score -inf.
+    page (unscaled). A KV head's score reduces its query heads' by `gqa_reduce`
+    (`reduce_heads`, its normalizers over the valid pages). Invalid pages score -inf.
     """
     if gqa_reduce not in GQA_REDUCTIONS:
         raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, not {gqa_reduce!r}")
@@ -131,8 +131,28 @@ def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num
     # max(q*lo, q*hi) = q+ * hi + q- * lo because lo <= hi: two matmuls, no [.., P, D] max.
     scores = (torch.einsum("bkgd,bpkd->bkgp", qg.clamp(min=0), kmax[ids].float())
               + torch.einsum("bkgd,bpkd->bkgp", qg.clamp(max=0), kmin[ids].float()))
-    scores = scores.amax(dim=2) if gqa_reduce == "max" else scores.sum(dim=2)
-    return torch.where(valid.unsqueeze(1), scores, float("-inf"))
+    scores = torch.where(valid.view(batch, 1, 1, -1), scores, float("-inf"))
+    return torch.where(valid.unsqueeze(1), reduce_heads(scores, gqa_reduce), float("-inf"))
+
+
+def reduce_heads(scores: Tensor, gqa_reduce: str) -> Tensor:
+    """A KV head's page scores from its query heads': scores [B, KVH, G, P] float32 (-inf at
+    pages not to be chosen, which the "relative" normalizer leaves out) -> [B, KVH, P];
+    rows without a page to choose come out -inf or NaN.
+
+    - "max", "sum": over the group;
+    - "relative": the max over the group of s - (the head's max over the pages): each
+      head's best page scores 0 and a page ranks by how far it lies below its own head's
+      best, so query heads whose scores run larger do not crowd out the others' pages. A
+      KV head's fp8 scale divides every score of its group alike, so it changes no pick.
+    """
+    if gqa_reduce == "max":
+        return scores.amax(dim=2)
+    if gqa_reduce == "sum":
+        return scores.sum(dim=2)
+    if gqa_reduce == "relative":
+        return (scores - scores.amax(dim=-1, keepdim=True)).amax(dim=2)
+    raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, not {gqa_reduce!r}")
 
 
 def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_pages: int = 1,
@@ -140,10 +160,11 @@ def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_page
     """Top pages per (sequence, KV head): scores [B, KVH, P], num_pages [B] ->
     indices [B, KVH, budget_pages] int32 (logical pages, ascending), counts [B, KVH] int32.
 
-    The first `sink_pages` and the last `recent_pages` pages are always kept; with
-    num_pages <= budget_pages every page is kept (exactly full attention). counts =
-    min(num_pages, budget_pages). Entries past counts repeat the last selected page
-    (0 when there is none): always in range, but only counts says how many are real.
+    The first `sink_pages` and the last `recent_pages` pages are always kept, and of equal
+    scores the lowest pages; with num_pages <= budget_pages every page is kept (exactly
+    full attention). counts = min(num_pages, budget_pages). Entries past counts repeat the
+    last selected page (0 when there is none): always in range, but only counts says how
+    many are real.
     """
     if budget_pages < max(1, sink_pages + recent_pages):
         raise ValueError(f"budget_pages {budget_pages} < sink_pages + recent_pages")
@@ -160,7 +181,9 @@ def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_page
     ranked = torch.where(forced, float("inf"), ranked)
     ranked = torch.where(pos < limit, ranked, float("-inf"))
     k = min(budget_pages, n_pages)
-    top = torch.topk(ranked, k, dim=-1, sorted=False).indices
+    # Equal scores go lowest page first, as the kernel takes them ("relative" ties each
+    # query head's best page at 0); topk leaves the order of ties unspecified.
+    top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
     counts = limit.view(-1, 1).clamp(max=budget_pages).expand(scores.shape[:2])
     # After sorting, the real picks come first; pads take the last real one.
     keyed = torch.where(top < limit, top, n_pages)  # -inf picks are exactly the pages >= limit
@@ -249,14 +272,18 @@ def _select_in_groups(q: Tensor, kmin: Tensor, kmax: Tensor, groups: Selection, 
     # max(q*lo, q*hi) = q+ * hi + q- * lo, as page_scores_ref.
     scores = (torch.einsum("bkgd,bkcd->bkgc", qg.clamp(min=0), kmax[ids, heads].float())
               + torch.einsum("bkgd,bkcd->bkgc", qg.clamp(max=0), kmin[ids, heads].float()))
-    scores = scores.amax(dim=2) if gqa_reduce == "max" else scores.sum(dim=2)
+    # The "relative" normalizer runs over the candidates: every page where the groups cover
+    # the context; else the chosen groups' pages, each query head's best group among them
+    # (it scores 0 at the first level, the top score).
+    scores = reduce_heads(torch.where(valid.unsqueeze(2), scores, float("-inf")), gqa_reduce)
     lowest = torch.finfo(torch.float32).min
     ranked = scores.nan_to_num(nan=lowest, posinf=-lowest, neginf=lowest)
     forced = (pages < sink_pages) | (pages >= limit - recent_pages)
     ranked = torch.where(forced, float("inf"), ranked)
     ranked = torch.where(valid, ranked, float("-inf"))
     k = min(budget_pages, ranked.shape[-1])
-    top = torch.topk(ranked, k, dim=-1, sorted=False).indices
+    # Candidates run in page order: equal scores go lowest page first, as in select_pages.
+    top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
     counts = limit.view(-1, 1).clamp(max=budget_pages).expand(batch, kv_heads)
     # Invalid picks (only where fewer real pages than the budget exist) sort last.
     past = torch.iinfo(torch.int64).max

@@ -7,7 +7,12 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
   same kernel keeps the bounds of groups of pages, as pages of group_pages x the tokens).
 - table scores: grid (batch, KV head, page tile). Logical page -> physical page through
   the block table in the kernel; bounds are widened to q's dtype (exactly, from fp8) and
-  go through the tensor cores with q+ and q-, which are exact in it.
+  go through the tensor cores with q+ and q-, which are exact in it. The group's query
+  heads are reduced in the kernel ("max", "sum"); "relative" needs each query head's max
+  over every page first, so the kernel writes every query head's row (-inf past the
+  context) and quest_select.reduce_heads, the reference's own torch, reduces them (two
+  small kernels): a float32 per query head and page is little against the page's bounds,
+  2 x head_dim elements, which a scheme that scored the pages twice would read again.
 - select: grid (batch, KV head). A bisection over the scores' order-preserving int32
   image finds a threshold that takes the budget (the row's first power-of-two pages,
   up to 16K, held in registers; pages past them re-read from L2 each step), then one
@@ -23,13 +28,18 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
+from astream.ops.quest_select import reduce_heads
 from astream.ops.triton_pages import group_tile
+from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
 
 SCORE_BLOCK_P = 64      # pages per score program
 UPDATE_ROWS = 16        # key rows per pass of the bounds update
 SELECT_TAIL = 1024      # scores per step of the select kernel's passes past its register head
 MAX_ROW_IN_REGISTERS = 16384   # 32 int32 keys a thread at 16 warps
+# The scores kernel's group reduction: "max", "sum", or none (each query head's row).
+REDUCE_MAX = tl.constexpr(0)
+REDUCE_SUM = tl.constexpr(1)
+REDUCE_EACH_HEAD = tl.constexpr(2)
 # Bisection bounds on the int32 keys: below every key, and above every key.
 BELOW_KEYS = tl.constexpr(-2147483648 - 1)
 ABOVE_KEYS = tl.constexpr(2147483648)
@@ -75,12 +85,12 @@ def _update_bounds_kernel(
 
 @triton.jit
 def _table_scores_kernel(
-    q_ptr, kmin_ptr, kmax_ptr, tables_ptr, lens_ptr, out_ptr,
+    q_ptr, kmin_ptr, kmax_ptr, tables_ptr, lens_ptr, out_ptr, width,
     stride_qb, stride_qh, stride_np, stride_nh, stride_xp, stride_xh, stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_P: tl.constexpr, PAGE: tl.constexpr, PPB: tl.constexpr, USE_DOT: tl.constexpr,
-    PRECISION: tl.constexpr, SUM_GROUP: tl.constexpr,
+    PRECISION: tl.constexpr, REDUCE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,11 +113,17 @@ def _table_scores_kernel(
     q_pos = tl.maximum(q, 0.0).to(compute)
     q_neg = tl.minimum(q, 0.0).to(compute)
     s = _scores(q_pos, hi, USE_DOT, PRECISION) + _scores(q_neg, lo, USE_DOT, PRECISION)
-    if SUM_GROUP:
-        s = tl.sum(tl.where((rows < GROUP)[:, None], s, 0.0), axis=0)
+    if REDUCE == REDUCE_EACH_HEAD:    # out [B, H, width]: every page of the tile is written
+        heads = kvh * GROUP + rows
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + pos[None, :],
+                 tl.where(ok[None, :], s, float("-inf")),
+                 mask=(rows < GROUP)[:, None] & (pos < width)[None, :])
     else:
-        s = tl.max(tl.where((rows < GROUP)[:, None], s, float("-inf")), axis=0)
-    tl.store(out_ptr + b * stride_ob + kvh * stride_oh + pos, s, mask=ok)
+        if REDUCE == REDUCE_SUM:
+            s = tl.sum(tl.where((rows < GROUP)[:, None], s, 0.0), axis=0)
+        else:
+            s = tl.max(tl.where((rows < GROUP)[:, None], s, float("-inf")), axis=0)
+        tl.store(out_ptr + b * stride_ob + kvh * stride_oh + pos, s, mask=ok)
 
 
 @triton.jit
@@ -289,18 +305,22 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
     if batch == 0:
         return indices, counts, phys
     q = q if q.stride(-1) == 1 else q.contiguous()
-    scores = torch.empty(batch, kv_heads, max(max_pages, 1), dtype=torch.float32, device=device)
+    in_kernel = {"max": REDUCE_MAX.value, "sum": REDUCE_SUM.value}.get(gqa_reduce)
+    rows = kv_heads if in_kernel is not None else n_heads
+    scores = torch.empty(batch, rows, max(max_pages, 1), dtype=torch.float32, device=device)
     d_pad = triton.next_power_of_2(head_dim)
     group = n_heads // kv_heads
     use_dot, group_pad = group_tile(group, d_pad, None)
-    _table_scores_kernel[(batch, kv_heads, triton.cdiv(max(max_pages, 1), SCORE_BLOCK_P))](
-        q, kmin, kmax, block_tables, context_lens, scores, q.stride(0), q.stride(1),
+    _table_scores_kernel[(batch, kv_heads, triton.cdiv(scores.shape[2], SCORE_BLOCK_P))](
+        q, kmin, kmax, block_tables, context_lens, scores, scores.shape[2], q.stride(0), q.stride(1),
         kmin.stride(0), kmin.stride(1), kmax.stride(0), kmax.stride(1), block_tables.stride(0),
         scores.stride(0), scores.stride(1), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         D_PAD=d_pad, BLOCK_P=SCORE_BLOCK_P, PAGE=page_size, PPB=ppb, USE_DOT=use_dot,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SUM_GROUP=gqa_reduce == "sum", num_warps=NUM_WARPS,
+        REDUCE=REDUCE_EACH_HEAD.value if in_kernel is None else in_kernel, num_warps=NUM_WARPS,
     )
+    if in_kernel is None:
+        scores = reduce_heads(scores.view(batch, kv_heads, group, -1), gqa_reduce)
     phys_arg = phys if physical else indices            # unread placeholder
     counters_arg = counters if counters is not None else counts
     head = register_head(max(max_pages - (ppb if append_newest else 0), 1), max_row_in_registers)

@@ -4,7 +4,9 @@ Per page (`page_size` tokens, inside a KV block), layer and KV head, the element
 min and max of the stored keys (after RoPE) are kept on the device, updated as keys are
 written. At decode, a page's criticality for a query head is the sum over channels of
 max(q_i * min_i, q_i * max_i), an upper bound of q.k over the page; a KV head scores a
-page by the max over its query heads (`gqa_reduce="sum"` sums them instead). Each
+page by the max over its query heads (`gqa_reduce="sum"` sums them; "relative" takes the
+max of each head's score less that head's best page's, so heads whose scores run larger
+do not take the budget from the others: ops.quest_select.reduce_heads). Each
 sequence and KV head reads its top pages within `budget_tokens`, chosen among the pages
 of its full KV blocks and always with the first (the attention sink) and the newest of
 them; the sequence's newest, unfinished block is read whole besides (it is the device
