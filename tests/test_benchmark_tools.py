@@ -1,6 +1,7 @@
 """Helpers of the benchmarks: the copy/compute overlap figure of benchmarks/offload.py on
 synthetic traces, the quest benchmark's locality count and pipelined steps, and every
-section of the quest benchmark run through the harness (benchmarks/run.py) with --smoke."""
+section of the quest benchmark and the GQA recall benchmark run through the harness
+(benchmarks/run.py) with --smoke."""
 
 from __future__ import annotations
 
@@ -222,3 +223,20 @@ def test_quest_prefetch_runs_through_the_harness(tmp_path):
     assert exact["page_recall_mean"] == exact["page_recall_p10"] == 1.0
     assert exact["mass_recall_mean"] == exact["mass_ratio_mean"] == 1.0 and exact["late_mean"] == 0.0
     assert rows["exact"]["info"]["answers"][0]["task"] == "needle"
+
+
+def test_quest_gqa_recall_runs_through_the_harness(tmp_path):
+    """The GQA recall benchmark on the embedded model: its restated rules pick what the
+    engine picks, and no rule of one selection per KV head beats the oracle's mean."""
+    import run
+    out = tmp_path / "result.json"
+    rules = "max,sum,relative,share,rank,oracle"
+    assert run.main(["quest_gqa", "--smoke", "--rules", rules, "--budgets", "0.25",
+                     "--out", str(out)]) == 0
+    rows = {row["params"]["rule"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == rules.split(",")
+    for rule in ("max", "sum", "relative"):
+        assert rows[rule]["figures"]["engine_jaccard"]["median"] == 1.0
+        assert rows[rule]["info"]["ok"] is True
+    mean = {rule: row["figures"]["recall_mean"]["median"] for rule, row in rows.items()}
+    assert all(0 < m <= mean["oracle"] + 1e-6 for m in mean.values()) and mean["oracle"] <= 1 + 1e-6
