@@ -10,7 +10,7 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
   go through the tensor cores with q+ and q-, which are exact in it. The group's query
   heads are reduced in the kernel ("max", "sum"); "relative" needs each query head's max
   over every page first, so the kernel writes every query head's row (-inf past the
-  context) and quest_select.reduce_heads, the reference's own torch, reduces them (two
+  context) and quest_select.reduce_heads, the reference's own torch, reduces them (three
   small kernels): a float32 per query head and page is little against the page's bounds,
   2 x head_dim elements, which a scheme that scored the pages twice would read again.
 - select: grid (batch, KV head). A bisection over the scores' order-preserving int32
