@@ -1,6 +1,7 @@
-"""CPU tests for the Quest ops (astream.ops.quest: page bounds, attention over selected
-pages) against brute force, and their Triton kernels against the torch references in
-interpreter mode (in a subprocess). The page gather: test_quest_gather."""
+"""CPU tests for the Quest ops (astream.ops.quest: page bounds; astream.ops.pages: the newest
+block added to a selection, attention over selected pages) against brute force, and their
+Triton kernels against the torch references in interpreter mode (in a subprocess). The page
+gather: test_quest_gather."""
 
 from __future__ import annotations
 
@@ -150,6 +151,19 @@ def test_bounds_of_blocks_and_store(dtype):
     quest.store_block_bounds(kmin, kmax, keys[:2], torch.tensor([7, 2]), 16)
     assert torch.equal(kmin[[14, 15, 4, 5]].float(), quest.bounds_of_blocks(keys[:2])[0].float())
     assert torch.equal(kmax[[0, 1, 16]].float(), empty_hi[[0, 0, 0]].float())
+
+
+# ---- the newest block's pages ------------------------------------------------------
+
+def test_newest_block_pages_follow_the_selected_ones():
+    indices = torch.tensor([[[0, 1, 3, 3], [1, 2, 2, 2]]], dtype=torch.int32)    # B=1, KVH=2
+    counts = torch.tensor([[3, 2]], dtype=torch.int32)
+    pages, total = page_ops.with_newest_block(indices, counts, torch.tensor([64]), block_size=32,
+                                              page_size=16)
+    assert total.tolist() == [[5, 4]]
+    assert pages[0, 0, :5].tolist() == [0, 1, 3, 4, 5]          # block 2 starts at page 4
+    assert pages[0, 1, :4].tolist() == [1, 2, 4, 5]
+    assert pages.shape == (1, 2, 6)
 
 
 # ---- attention over selected pages ---------------------------------------------------

@@ -10,9 +10,9 @@ from test_quest_ops import shuffled_tables
 
 from astream.ops import quest
 from astream.ops.kv_write import dequantize_ref, quantize_ref
+from astream.ops.pages import with_newest_block
 from astream.ops.quest_select import (
-    page_scores_ref, physical_page_ids, select_decode_pages, select_decode_pages_ref,
-    select_pages, with_newest_block,
+    page_scores_ref, physical_page_ids, select_decode_pages, select_decode_pages_ref, select_pages,
 )
 
 INF = float("inf")
@@ -194,16 +194,6 @@ def test_fp8_stored_bounds_pick_what_dequantized_bounds_pick(fp8, reduce):
             max_pages=n_pages, block_size=block, page_size=page, budget_pages=budget,
             gqa_reduce=reduce).indices)
     assert picks[0].dtype == torch.int32 and torch.equal(picks[0], picks[1])
-
-
-def test_newest_block_pages_follow_the_selected_ones():
-    indices = torch.tensor([[[0, 1, 3, 3], [1, 2, 2, 2]]], dtype=torch.int32)    # B=1, KVH=2
-    counts = torch.tensor([[3, 2]], dtype=torch.int32)
-    pages, total = with_newest_block(indices, counts, torch.tensor([64]), block_size=32, page_size=16)
-    assert total.tolist() == [[5, 4]]
-    assert pages[0, 0, :5].tolist() == [0, 1, 3, 4, 5]          # block 2 starts at page 4
-    assert pages[0, 1, :4].tolist() == [1, 2, 4, 5]
-    assert pages.shape == (1, 2, 6)
 
 
 # ---- the fused op ----------------------------------------------------------------------

@@ -4,7 +4,8 @@ page_size: logical page p of a sequence lives in physical page block_table[p // 
 + p % ppb.
 
 What any page-selecting policy needs, whatever chose the pages: physical ids of chosen
-pages (`physical_pages`), decode attention over chosen pages (`paged_decode_selected`) and
+pages (`physical_pages`), the newest, unfinished block's pages added to a selection
+(`with_newest_block`), decode attention over chosen pages (`paged_decode_selected`) and
 the gather of chosen pages out of a head-major pool, which may be pinned host memory
 (`gather_pages`). On CUDA the last two are Triton kernels (astream.ops.triton_pages); the
 torch references here are their contracts. No op reads a device value on the host, and
@@ -36,6 +37,27 @@ def physical_pages(indices: Tensor, block_tables: Tensor, block_size: int,
     logical = indices.long()
     blocks = block_tables.long().gather(1, (logical // ppb).view(batch, -1))
     return blocks.view(batch, kv_heads, width) * ppb + logical % ppb
+
+
+def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, block_size: int,
+                      page_size: int) -> tuple[Tensor, Tensor]:
+    """Add every page of each sequence's newest (unfinished) block to its selection.
+
+    indices [B, KVH, P] int32 and counts [B, KVH]: a selection among the pages before the
+    newest block, its first `counts` entries real (as Quest's `select_pages` and the window
+    policy give them); block_start [B] = the first token of that block. Returns indices
+    [B, KVH, P + ppb] with the block's ppb pages right after the `counts` real ones, and
+    counts + ppb. (Its pages past the context are masked by the attention's context_lens.)
+    """
+    ppb = pages_per_block(block_size, page_size)
+    batch, kv_heads, picked = indices.shape
+    pos = torch.arange(picked + ppb, device=indices.device)
+    real = counts.unsqueeze(-1).long()
+    first = (block_start.long() // page_size).view(batch, 1, 1)
+    newest = first + (pos - real).clamp(0, ppb - 1)
+    padded = torch.cat([indices, indices[..., -1:].expand(batch, kv_heads, ppb)], dim=-1).long()
+    merged = torch.where(pos < real, padded, newest)
+    return merged.to(torch.int32), (counts + ppb).to(torch.int32)
 
 
 def _selected_slots(block_tables: Tensor, page_indices: Tensor, page_counts: Tensor,

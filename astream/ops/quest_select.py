@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from astream.ops.pages import physical_pages
+from astream.ops.pages import physical_pages, with_newest_block
 from astream.ops.quest import DEFAULT_PAGE_SIZE, GQA_REDUCTIONS, pages_per_block, select_quest_backend
 
 
@@ -63,7 +63,7 @@ def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables:
     ceil(context_lens / page_size) logical pages of its table (max_pages bounds them):
     `select_pages` over `page_scores_ref`. With `append_newest`, context_lens must be a
     multiple of block_size (the full blocks) and the block after them is added whole
-    (`with_newest_block`). `physical` also returns every entry's physical page id.
+    (`ops.pages.with_newest_block`). `physical` also returns every entry's physical page id.
     `counters` [2] int64, if given, gains the real picks (before the newest block) and
     the number of (sequence, KV head) rows.
     """
@@ -188,26 +188,6 @@ def select_pages(scores: Tensor, num_pages: Tensor, budget_pages: int, sink_page
     # After sorting, the real picks come first; pads take the last real one.
     keyed = torch.where(top < limit, top, n_pages)  # -inf picks are exactly the pages >= limit
     return _ascending(keyed.sort(dim=-1).values, counts, budget_pages, n_pages)
-
-
-def with_newest_block(indices: Tensor, counts: Tensor, block_start: Tensor, block_size: int,
-                      page_size: int = DEFAULT_PAGE_SIZE) -> tuple[Tensor, Tensor]:
-    """Add every page of each sequence's newest (unfinished) block to its selection.
-
-    indices [B, KVH, P] int32 and counts [B, KVH] from `select_pages` over the pages before
-    the newest block; block_start [B] = the first token of that block. Returns indices
-    [B, KVH, P + ppb] with the block's ppb pages right after the `counts` real ones, and
-    counts + ppb. (Its pages past the context are masked by the attention's context_lens.)
-    """
-    ppb = pages_per_block(block_size, page_size)
-    batch, kv_heads, picked = indices.shape
-    pos = torch.arange(picked + ppb, device=indices.device)
-    real = counts.unsqueeze(-1).long()
-    first = (block_start.long() // page_size).view(batch, 1, 1)
-    newest = first + (pos - real).clamp(0, ppb - 1)
-    padded = torch.cat([indices, indices[..., -1:].expand(batch, kv_heads, ppb)], dim=-1).long()
-    merged = torch.where(pos < real, padded, newest)
-    return merged.to(torch.int32), (counts + ppb).to(torch.int32)
 
 
 def group_budget(budget_pages: int, group_pages: int, group_factor: int) -> int:

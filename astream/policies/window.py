@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from astream.ops.pages import pages_per_block, physical_pages
-from astream.ops.quest_select import with_newest_block
+from astream.ops.pages import pages_per_block, physical_pages, with_newest_block
 from astream.policies.base import (
     DecodeQuery, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy, check_int,
 )
