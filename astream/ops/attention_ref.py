@@ -17,6 +17,8 @@ from astream.ops.varlen import VarlenMeta
 
 # Upper bound on score-matrix elements materialised at once (~256 MB of fp32).
 MAX_SCORE_ELEMENTS = 64 * 1024 * 1024
+# Bytes of float32 weights a sparse-prefill estimate forms at once: `head_slices`' budget.
+ESTIMATE_BYTES = 1 << 30
 
 
 def head_slices(n_heads: int, group: int, head_bytes: int, budget: int) -> list[tuple[int, int]]:

@@ -47,10 +47,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from astream.ops.attention_ref import grouped_scores, head_slices
+from astream.ops.attention_ref import ESTIMATE_BYTES, grouped_scores, head_slices
 from astream.ops.xattention import visible_blocks, visible_mask
 
-ESTIMATE_BYTES = 1 << 30        # float32 weights of the last block formed at once
 MEAN_ROWS = 1 << 16             # rows of K (or Q) a block mean reads at a time
 
 

@@ -30,9 +30,9 @@ import torch
 from torch import Tensor
 
 from astream.ops.attention import select_decode_backend
-from astream.ops.attention_ref import _softmax_rows, grouped_scores, head_slices, masked_attention_ref
-
-ESTIMATE_BYTES = 1 << 30        # float32 weights of the last queries formed at once
+from astream.ops.attention_ref import (
+    ESTIMATE_BYTES, _softmax_rows, grouped_scores, head_slices, masked_attention_ref,
+)
 
 
 class VerticalSlash(NamedTuple):
