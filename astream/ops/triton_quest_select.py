@@ -10,9 +10,10 @@ under TRITON_INTERPRET=1). Torch references and contracts: astream.ops.quest_sel
   go through the tensor cores with q+ and q-, which are exact in it. The group's query
   heads are reduced in the kernel ("max", "sum"); "relative" needs each query head's max
   over every page first, so the kernel writes every query head's row (-inf past the
-  context) and quest_select.reduce_heads, the reference's own torch, reduces them (three
-  small kernels): a float32 per query head and page is little against the page's bounds,
-  2 x head_dim elements, which a scheme that scored the pages twice would read again.
+  context) and torch reduces them (three small kernels; contract: quest_select.reduce_heads,
+  which this module does not import, as quest_select dispatches here): a float32 per query
+  head and page is little against the page's bounds, 2 x head_dim elements, which a scheme
+  that scored the pages twice would read again.
 - select: grid (batch, KV head). A bisection over the scores' order-preserving int32
   image finds a threshold that takes the budget (the row's first power-of-two pages,
   up to 16K, held in registers; pages past them re-read from L2 each step), then one
@@ -28,7 +29,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from astream.ops.quest_select import reduce_heads
 from astream.ops.triton_pages import group_tile
 from astream.ops.triton_tiles import NUM_WARPS, _dim_mask, _scores
 
@@ -319,8 +319,9 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         REDUCE=REDUCE_EACH_HEAD.value if in_kernel is None else in_kernel, num_warps=NUM_WARPS,
     )
-    if in_kernel is None:
-        scores = reduce_heads(scores.view(batch, kv_heads, group, -1), gqa_reduce)
+    if in_kernel is None:                       # "relative": less each head's best, then the max
+        per_head = scores.view(batch, kv_heads, group, -1)
+        scores = (per_head - per_head.amax(dim=-1, keepdim=True)).amax(dim=2)
     phys_arg = phys if physical else indices            # unread placeholder
     counters_arg = counters if counters is not None else counts
     head = register_head(max(max_pages - (ppb if append_newest else 0), 1), max_row_in_registers)
