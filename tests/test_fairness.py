@@ -185,6 +185,22 @@ def test_a_short_prompt_goes_ahead_of_long_prefills_of_its_own_client():
     assert chunks["long0"] == 64                          # no short waits: the whole budget again
 
 
+def test_a_long_prompt_first_in_fairness_order_does_not_hold_back_a_short_one():
+    """Each websocket connection is a client: a long prompt of an idle connection comes before
+    a short one of a busy connection. Once the step's long share is spent, the short one still
+    starts, so the next step is a full one again."""
+    sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
+    sched.add(Sequence("long-a", [1] * 400, P(max_tokens=8), 0, "a"))
+    sched.add(Sequence("busy", [3] * 4, P(max_tokens=50), 1, "s"))
+    sched.schedule()
+    sched.add(Sequence("long-b", [1] * 400, P(max_tokens=8), 2, "b"))     # idle client: first
+    sched.add(Sequence("short", [2] * 10, P(max_tokens=8), 3, "s"))
+    chunks = {item.seq.request_id: item.num_tokens for item in sched.schedule().items}
+    assert chunks["short"] == 10 and chunks["long-a"] == 16 and "long-b" not in chunks
+    chunks = {item.seq.request_id: item.num_tokens for item in sched.schedule().items}
+    assert chunks["long-a"] + chunks.get("long-b", 0) >= 60                # no short waits now
+
+
 def test_without_short_prompts_waiting_long_prefills_take_the_whole_budget():
     sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
     sched.add(Sequence("long", [1] * 400, P(max_tokens=8), 0, "c"))

@@ -270,9 +270,15 @@ class Scheduler:
         counts = Counter(s.client for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.fairest(counts)
+            long = not self.waiting.is_short(seq)
+            if long and long_budget <= 0:
+                # Long prompts have had their share of this step; a short one behind them
+                # (in fairness order) still may start.
+                seq, long = self.waiting.fairest(counts, short_only=True), False
+                if seq is None:
+                    break
             if seq.num_pending:
                 break         # a sampled id still in flight: it can be admitted next step
-            long = seq.num_tokens > self.config.short_prompt_tokens
             item = self._try_admit(seq, min(budget, long_budget) if long else budget,
                                    reserve=self._watermark())
             if item is None:

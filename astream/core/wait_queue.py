@@ -46,8 +46,13 @@ class WaitQueue:
         """The first waiting sequence of each line, in the order they would be admitted."""
         return sorted((q[0] for q in self.queues.values()), key=self._order(running))
 
-    def fairest(self, running: Mapping[str, int]) -> Sequence | None:
-        return min((q[0] for q in self.queues.values()), key=self._order(running), default=None)
+    def fairest(self, running: Mapping[str, int], short_only: bool = False) -> Sequence | None:
+        """The next sequence to admit; with short_only, the next short one."""
+        return min((q[0] for (_, short), q in self.queues.items() if short or not short_only),
+                   key=self._order(running), default=None)
+
+    def is_short(self, seq: Sequence) -> bool:
+        return self.lines[id(seq)][1]
 
     def short_heads(self) -> list[Sequence]:
         return [q[0] for (_, short), q in self.queues.items() if short]
