@@ -30,6 +30,9 @@ _ROWS = {"self_attn.q_proj.weight": "q", "self_attn.q_proj.bias": "q",
          "mlp.gate_proj.weight": "mlp", "mlp.up_proj.weight": "mlp"}
 _COLUMNS = {"self_attn.o_proj.weight": "q", "mlp.down_proj.weight": "mlp"}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+# The gather into one tensor (the ranks' parts one after the other): its newer name, else
+# its older one.
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(slots=True, frozen=True)
@@ -164,9 +167,11 @@ class TensorParallel:
         """[T, shard] logits of every rank -> [T, vocab_size] on every rank."""
         if logits.shape[0] == 0:
             return logits.new_empty((0, vocab_size))
-        parts = [torch.empty_like(logits) for _ in range(self.size)]
-        dist.all_gather(parts, logits.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)[:, :vocab_size]
+        # One output tensor, not a list: no staging buffer and copies inside a CUDA graph.
+        rows, shard = logits.shape
+        parts = logits.new_empty((self.size * rows, shard))
+        _gather_into(parts, logits.contiguous(), group=self.group)
+        return parts.view(self.size, rows, shard).permute(1, 0, 2).reshape(rows, -1)[:, :vocab_size]
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if tensor.numel():
