@@ -77,9 +77,10 @@ class DecodeGraphs:
                 and inputs.sample_rows.shape[0] == inputs.num_tokens
                 and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None,
-            sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden states [n, H], the sampled ids [n], or None where the host samples)."""
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None, mode: str | None,
+            sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [n, H], the sampled ids [n], or None where the host samples), sampled
+        in `mode` (graph_sampling.replay)."""
         n = inputs.num_tokens
         size = padded_size(capture_sizes(self.max_batch), n)
         buf, attn = self.buffers, inputs.attn
@@ -91,7 +92,7 @@ class DecodeGraphs:
         buf["tables"][:n, :width].copy_(attn.decode_block_tables)
         buf["lens"][:n].copy_(attn.decode_context_lens)
         buf["lens"][n:size].zero_()
-        ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, buf["hidden"])
+        ids = replay(self.graphs, size, n, mode, sampling, self.sampler, self._run_eager, buf["hidden"])
         self.steps += 1
         return buf["hidden"][:n], ids
 

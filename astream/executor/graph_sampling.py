@@ -108,15 +108,15 @@ def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler,
     return graphs
 
 
-def replay(graphs: dict, size: int, n: int, batch: SamplingBatch, sampler: GraphSampler,
-           run: RunFn, out: torch.Tensor) -> torch.Tensor | None:
+def replay(graphs: dict, size: int, n: int, mode: str | None, batch: SamplingBatch | None,
+           sampler: GraphSampler, run: RunFn, out: torch.Tensor) -> torch.Tensor | None:
     """Replay the step padded to `size` rows (where nothing was captured, run its program
-    eagerly: CPU, tests). Returns the n rows' sampled ids, or None where the host samples
-    from out[:n] (see `graph_mode`)."""
-    mode = graph_mode(batch)
+    eagerly: CPU, tests), sampling in `mode` (`graph_mode` of the step's batch). Returns the
+    n rows' sampled ids, or None where the host samples from out[:n]. `batch` None: a
+    tensor-parallel follower, whose ids rank 0's replace, so its temperatures stay as they are."""
     if graphs and (mode, size) not in graphs:
         mode = None                                      # not captured: the host samples
-    if mode == "temperature":                            # the only program that reads them
+    if mode == "temperature" and batch is not None:      # the only program that reads them
         sampler.fill(batch, n, size)
     graph = graphs.get((mode or "greedy", size))
     if graph is not None:

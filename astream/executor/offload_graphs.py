@@ -136,9 +136,10 @@ class OffloadDecodeGraphs:
         blocks = context.host_blocks if context is not None else 0
         return blocks <= self.engine.slot_blocks
 
-    def run(self, inputs: StepInputs, plan: OffloadStepPlan,
-            sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden states [n, H], the sampled ids [n], or None where the host samples)."""
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan, mode: str | None,
+            sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [n, H], the sampled ids [n], or None where the host samples), sampled
+        in `mode` (graph_sampling.replay)."""
         n = inputs.num_tokens
         size = padded_size(capture_sizes(self.max_batch), n)
         self._fill(inputs, plan)
@@ -148,7 +149,8 @@ class OffloadDecodeGraphs:
             assert len(plan.jobs) <= 1, "a dense step from graphs loads one slot a layer"
             self.copy_runs = plan.jobs[0].runs if plan.jobs else []
             self.ring = CopyRing(self.engine, self.sparse_layers, self.copy_runs)
-        ids = replay(self.graphs, size, n, sampling, self.sampler, self._run_eager, self.buffers["hidden"])
+        ids = replay(self.graphs, size, n, mode, sampling, self.sampler, self._run_eager,
+                     self.buffers["hidden"])
         self.engine.send_tails(self.sparse_layers, plan.new_kv.tails_to_host)
         self.steps += 1
         return self.buffers["hidden"][:n], ids
