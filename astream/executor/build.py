@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -93,32 +94,76 @@ def warm_up_prefill_plans(config: EngineConfig, plan: CachePlan, runner: ModelRu
              time.perf_counter() - started)
 
 
-def build_graphs(config: EngineConfig, plan: CachePlan,
-                 runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs | None:
-    """Decode steps captured in CUDA graphs for the runner's KV backend, or None where steps
-    run eagerly: on the CPU, under enforce_eager, and with offload under a policy whose
-    plan at the longest context selects decode pages on some offloaded layers only (those steps read through the ring).
-    With offload, a policy that selects on every offloaded layer gathers its pages in the
-    graph, and one that never selects loads whole contexts between a chain of graphs
-    (executor.offload_graphs). Tensor-parallel steps run eagerly too: a graph would have to
-    hold the ranks' collectives and rank 0's sampler in step."""
-    if not runner.runtime.is_cuda or config.enforce_eager or runner.decoder.tp is not None:
-        return None
+@dataclass(slots=True, frozen=True)
+class GraphSpec:
+    """Which decode graphs a runner captures: "resident" (executor.cuda_graphs), "offload"
+    (one graph a step: the policy selects on every offloaded layer) or "dense" (a chain of
+    graphs a step: it never selects; executor.offload_graphs), for these shapes."""
+
+    kind: str
+    max_batch: int
+    max_blocks_per_seq: int
+    max_context: int
+
+
+def graph_spec(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> GraphSpec | None:
+    """The decode graphs that fit the runner's KV backend and policy, on any device; None
+    where decode steps cannot be static: with offload under a policy whose plan at the
+    longest context selects decode pages on some offloaded layers only (those steps read
+    through the ring)."""
     shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
                  max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
                  max_context=plan.max_model_len)
+    layers = runner.decoder.config.num_layers
     if runner.offload is None:
-        graphs = DecodeGraphs(runner.decoder, runner.cache, runner.backends, runner.policy,
-                              runner.generator, **shape)
-    elif selects_everywhere(runner.policy, runner.offload, runner.decoder.config.num_layers,
-                            plan.max_model_len):
-        graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
-                                     runner.policy, runner.generator, **shape)
-    elif decodes_densely(runner.policy, runner.decoder.config.num_layers, plan.max_model_len):
-        graphs = OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends,
-                                     runner.policy, runner.generator, **shape, dense=True)
-    else:
-        return None
-    with torch.inference_mode():
-        graphs.capture()
+        return GraphSpec("resident", **shape)
+    if selects_everywhere(runner.policy, runner.offload, layers, plan.max_model_len):
+        return GraphSpec("offload", **shape)
+    if decodes_densely(runner.policy, layers, plan.max_model_len):
+        return GraphSpec("dense", **shape)
+    return None
+
+
+def make_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs:
+    """The decode graphs of `spec` with their static buffers, not captured yet: until then
+    they run their program eagerly."""
+    shape = dict(max_batch=spec.max_batch, max_blocks_per_seq=spec.max_blocks_per_seq,
+                 max_context=spec.max_context)
+    if spec.kind == "resident":
+        return DecodeGraphs(runner.decoder, runner.cache, runner.backends, runner.policy,
+                            runner.generator, **shape)
+    return OffloadDecodeGraphs(runner.decoder, runner.offload, runner.backends, runner.policy,
+                               runner.generator, **shape, dense=spec.kind == "dense")
+
+
+def capture_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs:
+    """`make_graphs`, captured on CUDA (on the CPU their program keeps running eagerly).
+    Under tensor parallelism every rank calls this at once with the same spec
+    (parallel.WorkerGroup.install_graphs): the warm-up runs and the captures hold the
+    ranks' collectives, which must meet in the same order on every rank."""
+    graphs = make_graphs(spec, runner)
+    if runner.runtime.is_cuda:
+        with torch.inference_mode():
+            graphs.capture()
     return graphs
+
+
+def captures_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
+    """Whether decode steps run from CUDA graphs: on CUDA, unless enforce_eager."""
+    return runner.runtime.is_cuda and not config.enforce_eager
+
+
+def build_graphs(config: EngineConfig, plan: CachePlan,
+                 runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs | None:
+    """Decode steps captured in CUDA graphs for the runner's KV backend (`graph_spec`), or
+    None where steps run eagerly: on the CPU, under enforce_eager, and with offload under a
+    policy that selects decode pages on some offloaded layers only. With offload, a policy
+    that selects on every offloaded layer gathers its pages in the graph, and one that never
+    selects loads whole contexts between a chain of graphs (executor.offload_graphs).
+
+    None too for a tensor-parallel rank: its graphs are captured later, by every rank at
+    once (`capture_graphs`), once all of them have built their runners."""
+    if not captures_graphs(config, runner) or runner.decoder.tp is not None:
+        return None
+    spec = graph_spec(config, plan, runner)
+    return None if spec is None else capture_graphs(spec, runner)
