@@ -19,6 +19,7 @@ import torch
 
 from astream import LLM, Engine, SamplingParams
 from astream.base.config import EngineConfig
+from astream.executor.build import graph_spec
 from astream.face.cli import parse_command
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
@@ -220,6 +221,71 @@ def test_quest_with_offload_under_tp_selects_per_rank(tiny_qwen3):
     assert sum(shard["quest_selections"]) > 0
     assert sum(shard["quest_selections"]) * 2 == sum(whole["quest_selections"])
     assert shard["kv_blocks_free"] == shard["kv_blocks_total"]
+
+
+# ---- decode graphs on every rank ---------------------------------------------------------------
+
+PLAIN = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+QUEST = "quest(dense_layers=1, budget_tokens=48)"
+# Batches of up to 4 rows replay the graphs; the 5 prompts' first steps run eagerly.
+GRAPHED = {"resident": dict(cuda_graph_max_batch=4),
+           "offload_quest": dict(cuda_graph_max_batch=4, sparse_policy=QUEST, **OFFLOAD),
+           "offload_dense": dict(cuda_graph_max_batch=4, offload=True, offload_slot_tokens=128)}
+
+
+def _with_graphs(llm: LLM, kind: str):
+    """Every rank's decode graphs of the engine's spec, as on a GPU; here their static
+    programs run eagerly, holding the same collectives as the captured graphs would."""
+    core = llm.core
+    spec = graph_spec(core.config, core.plan, core.runner)
+    assert spec is not None and spec.kind == kind.removeprefix("offload_").replace("quest", "offload")
+    core.workers.install_graphs(spec, core.runner)
+    return core.runner.graphs
+
+
+@pytest.mark.parametrize("kind", GRAPHED)
+def test_every_rank_replays_rank_0s_graph_in_step(tiny_qwen3, kind):
+    """Rank 0 picks the graph and the sampling mode of each decode step and every rank
+    replays it: greedy rows sampled in the graph, rows with logprobs on the host, batches
+    too large for the graphs eagerly, and temperature rows in the graph (each rank draws, rank
+    0's ids count)."""
+    prompts = PROMPTS + ["hello there"]
+    # Batches shrink as rows finish: the rows with logprobs leave before the last steps.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
+              for n, logprobs in ((14, None), (8, 3), (12, None), (6, None), (4, 3))]
+    options = {**KW, **GRAPHED[kind]}
+    with LLM(str(tiny_qwen3), **options) as llm:
+        want = llm.generate(prompts, params)
+        hot = llm.generate(prompts[:2], [PLAIN, SamplingParams(temperature=0.8, max_tokens=10,
+                                                               ignore_eos=True)])
+    with LLM(str(tiny_qwen3), tensor_parallel_size=2, **options) as llm:
+        graphs = _with_graphs(llm, kind)
+        got = llm.generate(prompts, params)
+        inside = graphs.sampler.sampled_inside
+        assert graphs.steps > inside > 0                # some steps sampled on the host
+        sampled = llm.generate(prompts[:2], [PLAIN, SamplingParams(temperature=0.8, max_tokens=10,
+                                                                   ignore_eos=True)])
+        assert graphs.sampler.sampled_inside > inside + 5
+        stats = llm.stats()
+        assert stats["graph_steps"] == graphs.steps
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    _same_outputs(got, want)
+    assert sampled[0].token_ids == hot[0].token_ids
+    assert len(sampled[1].token_ids) == 10
+
+
+def test_no_graphs_to_install_sends_nothing(tiny_qwen3):
+    with LLM(str(tiny_qwen3), tensor_parallel_size=2, **KW) as llm:
+        assert llm.core.runner.graphs is None           # the CPU captures nothing
+        llm.core.workers.install_graphs(None, llm.core.runner)
+        assert llm.core.runner.graphs is None
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], PLAIN)] == \
+            [o.token_ids for o in _generate_plain(tiny_qwen3)]
+
+
+def _generate_plain(path: Path) -> list:
+    with LLM(str(path), **KW) as llm:
+        return llm.generate(PROMPTS[:2], PLAIN)
 
 
 # ---- the async engine ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from astream.base.sampling import SamplingParams
 from astream.core.request import Choice, ListSink, Request, RequestSink
 from astream.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from astream.core.sequence import Sequence
-from astream.executor.build import build_runner, kv_format
+from astream.executor.build import build_runner, captures_graphs, graph_spec, kv_format
 from astream.executor.cache_plan import plan_runner_cache
 from astream.executor.runner import ModelRunner, PreparedStep, StepOutput, StepProgram
 from astream.kvcache.block_manager import BlockManager
@@ -89,6 +89,8 @@ class EngineCore:
             eos = frozenset(stop_token_ids(model.tokenizer, shape.eos_token_ids))
             runner = build_runner(config, plan, model.decoder, runtime, policy, fmt, eos)
             runner.followers = workers
+            if workers is not None and captures_graphs(config, runner):
+                workers.install_graphs(graph_spec(config, plan, runner), runner)
         except BaseException:
             if workers is not None:
                 workers.close()

@@ -19,6 +19,7 @@ from astream.core.scheduler import ScheduledBatch
 from astream.core.sequence import Sequence
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.decode_tables import DecodeTables
+from astream.executor.graph_sampling import graph_mode
 from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, plan_offloaded_step, whole_prefill_loads
@@ -51,10 +52,14 @@ class StepFollowers(Protocol):
 @dataclass(slots=True)
 class HostStep:
     """What another tensor-parallel rank needs of a step, as host data built on rank 0 (the
-    only rank that holds the sequences): its inputs and, with offload, the offload plan."""
+    only rank that holds the sequences): its inputs, with offload the offload plan, and
+    whether rank 0 replays its decode graphs and in which sampling mode, so that every rank
+    replays the same one."""
 
     inputs: HostInputs
     offload: HostOffloadPlan | None = None
+    graphed: bool = False
+    sampling_mode: str | None = None       # graph_sampling.graph_mode of rank 0's batch
 
 
 @dataclass(slots=True)
@@ -67,6 +72,7 @@ class PreparedStep:
     sampled: list[Sequence]             # sequences that get a token, in row order
     offload_plan: OffloadStepPlan | None = None
     host: HostStep | None = None        # the step before it left the host, for other ranks
+    graphed: bool = False               # replayed from the decode graphs
 
 
 @dataclass(slots=True)
@@ -128,8 +134,12 @@ class ModelRunner:
                 batch, self.block_size, self.offload.slot_blocks,
                 sparse_decode=bool(traits.decode_layers), whole_prefill=traits.prefill_layers)
             plan = host_plan.send(device)
+        graphed = self.graphs is not None and self.graphs.can_run(inputs, plan)
+        follow = None
+        if self.followers is not None:
+            follow = HostStep(host, host_plan, graphed, graph_mode(sampling) if graphed else None)
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
-                            plan, HostStep(host, host_plan) if self.followers is not None else None)
+                            plan, follow, graphed)
 
     def launch(self, step: PreparedStep, previous: StepOutput | None) -> StepOutput:
         """Run a step's program straight through (synchronous callers)."""
@@ -159,21 +169,29 @@ class ModelRunner:
         """A follower rank's part of a step rank 0 runs: the same forward pass over this
         rank's shard (and, with offload, its own KV heads' host pool and ring) and its share
         of the logits; rank 0 samples and broadcasts the ids, returned for the next step's
-        pending rows."""
+        pending rows.
+
+        Where rank 0 replays a decode graph, so does this rank, the same one: its sampler
+        included, since the graphs of every rank must hold the same collectives (the logits'
+        gather) in the same order. The ids it samples are dropped for rank 0's, so the
+        ranks' generators need not agree."""
         device = self.runtime.device
         inputs = step.inputs.send(device)
         if inputs.pending_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous_ids[inputs.pending_src])
-        if step.offload is None:
-            forward = self._forward(inputs)
+        plan = None if step.offload is None else step.offload.send(device)
+        sampled = None
+        if step.graphed:
+            hidden, sampled = self.graphs.run(inputs, plan, step.sampling_mode, None)
         else:
-            forward = self._offloaded_forward(inputs, step.offload.send(device))
-        try:
-            while True:
-                next(forward)
-        except StopIteration as stop:
-            hidden = stop.value
-        self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
+            forward = self._forward(inputs) if plan is None else self._offloaded_forward(inputs, plan)
+            try:
+                while True:
+                    next(forward)
+            except StopIteration as stop:
+                hidden = stop.value
+        if sampled is None:                 # rank 0 samples on the host, from gathered logits
+            self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
         token_ids = torch.empty(step.inputs.num_sampled, dtype=torch.int64, device=device)
         return self.decoder.tp.broadcast(token_ids)
 
@@ -183,8 +201,9 @@ class ModelRunner:
         if inputs.pending_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
         token_ids = None
-        if self.graphs is not None and self.graphs.can_run(inputs, step.offload_plan):
-            hidden, token_ids = self.graphs.run(inputs, step.offload_plan, step.sampling)
+        if step.graphed:
+            hidden, token_ids = self.graphs.run(inputs, step.offload_plan, graph_mode(step.sampling),
+                                                step.sampling)
         elif step.offload_plan is not None:
             hidden = yield from self._offloaded_forward(inputs, step.offload_plan)
         else:

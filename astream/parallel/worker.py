@@ -7,9 +7,10 @@ another host (`astream worker`, run_node) joins through env:// and then connects
 answers with its settings and checkpoint path, so that host's command line names only
 the ranks' layout.
 
-Messages from rank 0: ("plan", CachePlan), then one HostStep per step, then None. To rank
-0: ("hello", rank) on a connection, ("loaded", CachePlan), ("ready", None) or ("error",
-traceback text).
+Messages from rank 0: ("plan", CachePlan), then one HostStep per step, between steps a
+GraphSpec (build, and on CUDA capture, those decode graphs now, as rank 0 does), then None.
+To rank 0: ("hello", rank) on a connection, ("loaded", CachePlan), ("ready", None),
+("graphs", the (mode, batch size) keys captured) or ("error", traceback text).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 from astream.base.config import EngineConfig
-from astream.executor.build import build_runner, kv_format
+from astream.executor.build import GraphSpec, build_runner, capture_graphs, kv_format
 from astream.executor.cache_plan import plan_runner_cache
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
@@ -117,8 +118,12 @@ def _start(tp, config: EngineConfig, checkpoint, device, conn: Connection):
 def _serve(runner, conn: Connection) -> None:
     previous = None
     try:
-        while (step := conn.recv()) is not None:
-            previous = runner.follow(step, previous)
+        while (message := conn.recv()) is not None:
+            if isinstance(message, GraphSpec):
+                runner.graphs = capture_graphs(message, runner)
+                conn.send(("graphs", sorted(runner.graphs.graphs)))
+            else:
+                previous = runner.follow(message, previous)
     except EOFError:                        # rank 0's process ended: so does this one
         return
     except BaseException:

@@ -23,7 +23,8 @@ import torch
 
 from astream.base.config import EngineConfig
 from astream.base.errors import TensorParallelError
-from astream.executor.runner import HostStep
+from astream.executor.build import GraphSpec, capture_graphs
+from astream.executor.runner import HostStep, ModelRunner
 from astream.kvcache.sizing import CachePlan
 from astream.models.config import ModelConfig
 from astream.models.tensor_parallel import TensorParallel
@@ -97,9 +98,31 @@ class WorkerGroup:
             self._receive(rank, "ready")
         return chosen
 
+    def install_graphs(self, spec: GraphSpec | None, runner: ModelRunner) -> None:
+        """Give every rank, rank 0's `runner` included, the decode graphs of `spec` (on CUDA,
+        captured). The ranks build them at once, sizes and modes in the same order: a
+        capture's warm-up runs the step's collectives, and the capture records them, so each
+        rank must meet the others in the same collective. The spec goes down the steps' path,
+        so a rank takes it between two steps; each answers with the graphs it captured, which
+        must be rank 0's, as every step from now on replays the same graph on every rank."""
+        if spec is None:
+            return
+        self._send_all(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
+        runner.graphs = None              # steps run eagerly until every rank has its graphs
+        graphs = capture_graphs(spec, runner)
+        ours = sorted(graphs.graphs)
+        for rank in self._ranks():
+            theirs = self._receive(rank, "graphs")
+            if theirs != ours:
+                raise TensorParallelError(f"tensor-parallel rank {rank} captured decode graphs "
+                                          f"{theirs}, rank 0 {ours}")
+        runner.graphs = graphs
+
     def send(self, step: HostStep) -> None:
         """Hand every other rank the step rank 0 is about to run."""
-        payload = pickle.dumps(step, pickle.HIGHEST_PROTOCOL)      # once, for every rank
+        self._send_all(pickle.dumps(step, pickle.HIGHEST_PROTOCOL))     # once, for every rank
+
+    def _send_all(self, payload: bytes) -> None:
         for rank, pipe, process in zip(self._ranks(), self.pipes, self.processes):
             try:
                 if process is not None and not process.is_alive():
