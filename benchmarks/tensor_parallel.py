@@ -1,6 +1,8 @@
-"""Tensor parallelism: decode, throughput and offloaded decode at TP=1 against TP=2.
+"""Tensor parallelism: decode, throughput and offloaded decode at TP=1 against TP=2, and a
+check that decode steps from CUDA graphs give every rank's tokens.
 
     python benchmarks/run.py tensor_parallel [--sections decode,throughput,offload,quest] [--tp 1,2]
+    python benchmarks/run.py tensor_parallel --sections check    # two GPUs: graphs' tokens
     python benchmarks/run.py tensor_parallel --smoke        # CPU over gloo, tiny shape and contexts
 
 The Qwen3-8B shape (36 layers, hidden 4096, 32 query and 8 KV heads of 128, MLP 12288,
@@ -28,8 +30,19 @@ of a section come before the next section's, so a run cut short keeps whole pair
   bytes add the pages gathered from the host pool (`bytes_gathered_per_step`: rank 0's
   selections, for its own KV heads) to the dense layers' loads.
 
-Tensor-parallel steps run eagerly; TP=1 uses CUDA graphs where the engine does, unless
---eager (every engine eager: the split's own gain, without the graphs').
+Decode steps run from CUDA graphs where the engine captures them, at every TP size (each rank
+replays the same graph, the collectives inside it), unless --eager (every engine eager: the
+split's own gain, without the graphs').
+
+- `check` (only when named in --sections): greedy tokens of decode steps from CUDA graphs at
+  TP=2 against TP=2 eager and TP=1 eager, on the shapes of --check-shapes [tiny,qwen3-8b],
+  resident and offloaded under Quest (a budget below the contexts, so the graphs gather
+  selected pages): --check-prompts [3] random prompts of different lengths, each stopping
+  after a different number of tokens, so batches pad and shrink. bf16 logits tie, and the
+  split sums in another order, so two runs may part where the reference's top two logits
+  are within --tie [0.25] of each other; a row fails where they part elsewhere, where no step
+  ran from the graphs, or where TP=2's temperature rows (sampled inside the graphs) do not
+  finish. With --smoke, on the CPU, the graphs' static programs run eagerly on every rank.
 
 After the rows, a table of each figure's median per TP size and the ratio of the largest
 TP to the smallest, against the goals: offloaded Full decode at <= 0.55x, Quest offload at
@@ -51,6 +64,7 @@ from astream import LLM, SamplingParams
 from astream.base.config import EngineConfig
 from astream.core.engine_core import EngineCore
 from astream.core.request import ListSink
+from astream.executor.build import capture_graphs, graph_spec
 from astream.policies import QuestPolicy
 
 SECTIONS = ("decode", "throughput", "offload", "quest")
@@ -84,6 +98,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs at any TP size")
     parser.add_argument("--shape", default=None, help="a shape of common.SHAPES [qwen3-8b]")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer (default: SmolLM2's)")
+    parser.add_argument("--check-shapes", default=None, help="check: shapes [tiny,qwen3-8b]")
+    parser.add_argument("--check-prompts", type=int, default=3, help="check: prompts a run [3]")
+    parser.add_argument("--tie", type=float, default=0.25,
+                        help="check: a reference top-2 logit margin runs may part at [0.25]")
 
 
 def cases(options) -> Iterator[tuple[dict, object]]:
@@ -92,11 +110,14 @@ def cases(options) -> Iterator[tuple[dict, object]]:
             setattr(options, key, value)
     options.shape = options.shape or ("tiny" if options.smoke else "qwen3-8b")
     sections = [s for s in options.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(SECTIONS) - {"check"}
     if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from {', '.join(SECTIONS)}")
+        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from check, {', '.join(SECTIONS)}")
     sizes = [int(t) for t in options.tp.split(",")]
     for section in sections:
+        if section == "check":
+            yield from check_cases(options)
+            continue
         for tp in sizes:
             yield from SECTION_CASES[section](options, tp)
 
@@ -230,6 +251,117 @@ def throughput_cases(o, tp: int):
                partial(throughput_row, llm, work))
 
 
+# ---------------------------------------------------------------- check
+
+CHECK_MODES = ("resident", "quest_offload")
+
+
+def check_cases(o):
+    shapes = o.check_shapes or ("tiny" if o.smoke else "tiny,qwen3-8b")
+    for shape in shapes.split(","):
+        for mode in CHECK_MODES:
+            yield ({"section": "check", "shape": shape, "mode": mode}, partial(check_row, o, shape, mode))
+
+
+def check_config(o, shape: str, mode: str, tp: int) -> EngineConfig:
+    extra = {}
+    if mode == "quest_offload":
+        # 64-token budgets of 16-token pages: the longer contexts leave pages out.
+        extra = {"offload": True, "kv_block_size": 16,
+                 "sparse_policy": QuestPolicy(budget_tokens=64, page_size=16, dense_layers=1)}
+    return EngineConfig(model=str(shaped_model(shape, max_positions=2048)), load_format="dummy",
+                        tokenizer=o.tokenizer or smollm2(), device=o.device,
+                        dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
+                        max_model_len=2048, max_num_batched_tokens=4096, tensor_parallel_size=tp,
+                        enable_prefix_caching=False, **extra)
+
+
+def graphs_of(core: EngineCore):
+    """The engine's decode graphs; on the CPU (--smoke), where nothing is captured, their
+    static programs, run eagerly on every rank."""
+    if core.runner.graphs is None and not core.runtime.is_cuda:
+        spec = graph_spec(core.config, core.plan, core.runner)
+        if core.workers is not None:
+            core.workers.install_graphs(spec, core.runner)
+        else:
+            core.runner.graphs = capture_graphs(spec, core.runner)
+    return core.runner.graphs
+
+
+def run_requests(core: EngineCore, tag: str, prompts: list[list[int]], params: list[SamplingParams]):
+    """Each request's tokens (StreamTokens, the final marker left out)."""
+    sinks = [core.add_request(f"{tag}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+    while not all(sink.tokens and sink.tokens[-1].finish_reason for sink in sinks):
+        core.step()
+    return [[t for t in sink.tokens if t.token_id >= 0] for sink in sinks]
+
+
+def check_runs(o, shape: str, mode: str, tp: int, prompts, lengths) -> dict:
+    """One engine: greedy eagerly (every rank: rank 0's runner has no graphs), with the top
+    two logprobs, then greedy from the graphs; at TP=2, temperature rows from the graphs."""
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    scored = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in lengths]
+    with engine_core(check_config(o, shape, mode, tp)) as core:
+        graphs = graphs_of(core)
+        core.runner.graphs = None
+        eager = run_requests(core, "eager", prompts, scored)
+        core.runner.graphs = graphs
+        steps, inside = graphs.steps, graphs.sampler.sampled_inside
+        graphed = run_requests(core, "graphs", prompts, greedy)
+        run = {"eager": [[t.token_id for t in row] for row in eager],
+               "margins": [[t.top_logprobs[0][1] - t.top_logprobs[1][1] for t in row] for row in eager],
+               "graphs": [[t.token_id for t in row] for row in graphed],
+               "graph_steps": graphs.steps - steps, "sampled_inside": graphs.sampler.sampled_inside - inside}
+        if tp > 1:
+            hot = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True) for n in lengths]
+            inside = graphs.sampler.sampled_inside
+            sampled = run_requests(core, "hot", prompts, hot)
+            run["temperature_ok"] = ([len(row) for row in sampled] == list(lengths)
+                                     and graphs.sampler.sampled_inside > inside)
+    del core
+    return run
+
+
+def agreement(reference: list[list[int]], margins: list[list[float]], got: list[list[int]],
+              tie: float) -> dict:
+    """Rows identical, and where one parts from the reference: the step and the reference's
+    top-2 margin there (a part within `tie` is a near tie, not an error)."""
+    parts = []
+    for row, (want, have) in enumerate(zip(reference, got)):
+        step = next((i for i, (x, y) in enumerate(zip(want, have)) if x != y), None)
+        if step is None and len(want) != len(have):
+            step = min(len(want), len(have))
+        if step is not None:
+            margin = margins[row][step] if step < len(margins[row]) else float("inf")
+            parts.append({"row": row, "step": step, "margin": round(margin, 4)})
+    return {"identical": len(reference) - len(parts), "parts": parts,
+            "ok": all(p["margin"] <= tie for p in parts)}
+
+
+def check_row(o, shape: str, mode: str) -> dict:
+    gen = torch.Generator().manual_seed(11)
+    n = o.check_prompts
+    sizes = [100 + 500 * i // max(n - 1, 1) for i in range(n)][::-1] if not o.smoke else \
+        [24 + 16 * i for i in range(n)][::-1]
+    prompts = [torch.randint(100, 49152, (size,), generator=gen).tolist() for size in sizes]
+    lengths = [4 + 3 * (n - 1 - i) for i in range(n)]     # rows leave one by one
+    one = check_runs(o, shape, mode, 1, prompts, lengths)
+    two = check_runs(o, shape, mode, 2, prompts, lengths)
+    checks = {"tp2_graphs_vs_tp2_eager": agreement(two["eager"], two["margins"], two["graphs"], o.tie),
+              "tp2_graphs_vs_tp1_eager": agreement(one["eager"], one["margins"], two["graphs"], o.tie),
+              "tp1_graphs_vs_tp1_eager": agreement(one["eager"], one["margins"], one["graphs"], o.tie)}
+    ok = (all(c["ok"] for c in checks.values()) and two["graph_steps"] > 0
+          and two["sampled_inside"] > 0 and two["temperature_ok"])
+    print(f"check {shape} {mode}: {'ok' if ok else 'FAILED'}; TP=2 graph steps {two['graph_steps']} "
+          f"(sampled inside {two['sampled_inside']}), temperature rows "
+          f"{'ok' if two['temperature_ok'] else 'FAILED'}", flush=True)
+    for name, c in checks.items():
+        print(f"    {name}: {c['identical']}/{n} identical, parted {c['parts']}", flush=True)
+    return {"graph_steps_tp2": two["graph_steps"], "graph_steps_tp1": one["graph_steps"],
+            "info": {"ok": ok, **checks, "temperature_ok": two["temperature_ok"],
+                     "tp2_graphs": two["graphs"], "tp1_eager": one["eager"]}}
+
+
 SECTION_CASES = {"decode": decode_cases, "throughput": throughput_cases,
                  "offload": offload_cases, "quest": quest_cases}
 
@@ -248,6 +380,8 @@ def summarize(result: dict) -> None:
     table: dict[tuple[str, str], dict[int, dict]] = {}
     for row in result["rows"]:
         p = row["params"]
+        if p["section"] == "check":
+            continue
         table.setdefault((p["section"], case_name(p)), {})[p["tp"]] = row["figures"]
     sizes = sorted({tp for by_tp in table.values() for tp in by_tp})
     if not sizes:

@@ -58,3 +58,20 @@ def test_every_section_runs_at_one_and_two_ranks(tmp_path, capsys):
         tp1, tp2 = (rows[(section, tp, None if section == "throughput" else int(case[-1]))]
                     ["figures"][figure]["median"] for tp in (1, 2))
         assert f"{tp2 / tp1:.3f}" in line
+
+
+def test_the_check_compares_graphs_with_eager_and_one_rank(tmp_path, capsys):
+    """On the CPU the graphs' static programs run on both ranks: the same tokens as TP=2
+    eager and TP=1, and every row passes; the speed table leaves the check rows out."""
+    import run
+    out = tmp_path / "result.json"
+    assert run.main(["tensor_parallel", "--smoke", "--sections", "check", "--check-prompts", "2",
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["params"]["shape"], r["params"]["mode"]) for r in rows] == \
+        [("tiny", "resident"), ("tiny", "quest_offload")]
+    for row in rows:
+        assert row["info"]["ok"] is True and row["info"]["temperature_ok"] is True
+        assert row["figures"]["graph_steps_tp2"]["median"] > 0
+        assert row["info"]["tp2_graphs_vs_tp2_eager"]["identical"] == 2
+    assert "ratio = TP=2" not in capsys.readouterr().out
