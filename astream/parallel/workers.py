@@ -136,9 +136,12 @@ class WorkerGroup:
         and stop them all."""
         if self.closed:
             return TensorParallelError(f"the tensor-parallel ranks were stopped: {error}")
-        wait([p.sentinel for p in self.processes if p is not None]
-             + [pipe for pipe, p in zip(self.pipes, self.processes) if p is None],
-             timeout=DEATH_WAIT_S)
+        ready = wait([p.sentinel for p in self.processes if p is not None]
+                     + [pipe for pipe, p in zip(self.pipes, self.processes) if p is None],
+                     timeout=DEATH_WAIT_S)
+        for process in self.processes:
+            if process is not None and process.sentinel in ready:
+                process.join(DEATH_WAIT_S)     # its files close a moment before its exit shows
         self._collect_errors()
         dead = [(rank, f"died (exit code {p.exitcode})")
                 for rank, p in zip(self._ranks(), self.processes)
