@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU over gloo: shards give the whole model's logits and tokens,
-the async engine returns every block, bad sizes are refused, and a lost rank stops the
-engine without leaving a process behind."""
+the async engine returns every block, bad sizes are refused, a lost rank stops the engine
+without leaving a process behind, and the ranks leave the group together with their graphs
+released (by abort, as over NCCL, where a test forces it)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,28 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import pytest
 import torch
+import torch.distributed as dist
 
 from astream import LLM, Engine, SamplingParams
 from astream.base.config import EngineConfig
-from astream.executor.build import graph_spec
+from astream.executor.build import graph_spec, release_graphs
+from astream.executor.graph_chain import ChainedStep
 from astream.face.cli import parse_command
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
 from astream.ops.attention import varlen_attention
 from astream.ops.varlen import VarlenMeta
-from astream.parallel.group import free_port, join_group, leave_group
+from astream.parallel import group, workers
+from astream.parallel.group import free_port, init_group, join_group, leave_group, teardown
 
 CPU = torch.device("cpu")
 KW = dict(device="cpu", dtype="float32", num_kv_blocks=96, kv_block_size=16, max_model_len=512,
@@ -280,6 +287,120 @@ def test_the_cpu_captures_nothing_and_no_spec_sends_nothing(tiny_qwen3):
         llm.core.workers.install_graphs(None, llm.core.runner)
         assert llm.core.runner.graphs is None
         assert llm.generate(PROMPTS[:1], PLAIN)[0].token_ids      # the ranks still take steps
+
+
+# ---- leaving the group -------------------------------------------------------------------------
+
+def test_nccl_groups_are_aborted_and_gloo_groups_destroyed():
+    assert teardown("nccl") == "abort"
+    assert teardown("gloo") == "destroy"
+
+
+class _Graph:
+    def __init__(self, resets: list):
+        self.resets = resets
+
+    def reset(self) -> None:
+        self.resets.append(self)
+
+
+class _Runtime:
+    is_cuda = True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_release_resets_every_captured_graph_once():
+    resets = []
+    one, two = _Graph(resets), _Graph(resets)
+    chain = [_Graph(resets), _Graph(resets)]               # shared by a size's modes
+    greedy, hot = _Graph(resets), _Graph(resets)
+    graphs = SimpleNamespace(graphs={("greedy", 1): one, ("temperature", 1): two})
+    step = partial(ChainedStep, between=lambda index: None, after=lambda: None)
+    chained = SimpleNamespace(graphs={("greedy", 2): step(chain, greedy),
+                                      ("temperature", 2): step(chain, hot),
+                                      ("greedy", 1): step(chain[:1], None)})
+    for holder in (graphs, chained):
+        release_graphs(holder, _Runtime())
+    assert sorted(map(id, resets)) == sorted(map(id, [one, two, *chain, greedy, hot]))
+    release_graphs(None, _Runtime())
+    release_graphs(graphs, SimpleNamespace(is_cuda=False))  # the CPU captured nothing
+    assert len(resets) == 6
+
+
+@pytest.fixture
+def one_rank_group():
+    init_group(0, 1, free_port(), CPU)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_gloo_releases_the_graphs_then_destroys_the_group(one_rank_group, monkeypatch):
+    events = []
+    destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (events.append("destroy"), destroy()))
+    monkeypatch.setattr(group, "abort_group", lambda: events.append("abort"))
+    assert leave_group(lambda: events.append("release"))
+    assert events == ["release", "destroy"] and not dist.is_initialized()
+
+
+def test_an_aborted_group_releases_the_graphs_and_frees_the_process(one_rank_group, monkeypatch):
+    """The NCCL path, forced onto a gloo group: the group is aborted (not destroyed) while the
+    graphs are released, and the process can join another group afterwards."""
+    events = []
+    abort = group.abort_group
+    monkeypatch.setattr(group, "teardown", lambda backend: "abort")
+    monkeypatch.setattr(group, "abort_group", lambda: (events.append("abort"), abort()))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: events.append("destroy"))
+    assert leave_group(lambda: events.append("release"))
+    assert sorted(events) == ["abort", "release"] and not dist.is_initialized()
+    monkeypatch.undo()
+    init_group(0, 1, free_port(), CPU)
+    assert dist.get_world_size() == 1
+
+
+def test_an_abort_that_does_not_end_is_waited_for_a_bounded_time(one_rank_group, monkeypatch):
+    """NCCL's abort waits for graphs it still sees alive and for ranks yet to leave: the rank
+    goes on after `wait_s`, its graphs released."""
+    stuck, released = threading.Event(), []
+    monkeypatch.setattr(group, "teardown", lambda backend: "abort")
+    monkeypatch.setattr(group, "abort_group", lambda: stuck.wait(30))
+    start = time.monotonic()
+    try:
+        assert not leave_group(lambda: released.append(True), wait_s=0.3)
+        assert time.monotonic() - start < 5 and released == [True]
+    finally:
+        stuck.set()
+
+
+def test_closing_releases_the_graphs_rank_0_installed_even_when_detached(tiny_qwen3, monkeypatch):
+    """The engine's close leaves the group with the graphs rank 0 captured, though their runner
+    no longer holds them (a benchmark swaps them out), and rank 0 aborts (the NCCL path, here
+    over gloo, the other rank destroying) without waiting for the other rank to exit first;
+    the process can start another engine afterwards."""
+    released, leaving = [], []
+    monkeypatch.setattr(workers, "release_graphs", lambda graphs, runtime: released.append(graphs))
+    monkeypatch.setattr(group, "teardown", lambda backend: "abort")
+    leave = workers.leave_group
+
+    def leave_group(release):
+        leaving.append([process.is_alive() for process in llm.core.workers.processes])
+        return leave(release)
+
+    monkeypatch.setattr(workers, "leave_group", leave_group)
+    with LLM(str(tiny_qwen3), tensor_parallel_size=2, **KW, cuda_graph_max_batch=4) as llm:
+        graphs = _with_graphs(llm, "resident")
+        want = llm.generate(PROMPTS[:2], PLAIN)
+        llm.core.runner.graphs = None
+        pids = llm.core.workers.pids
+    assert released == [graphs] and leaving == [[True]] and not dist.is_initialized()
+    assert _wait_gone(pids) == []
+    monkeypatch.undo()
+    with LLM(str(tiny_qwen3), tensor_parallel_size=2, **KW) as llm:
+        assert [out.token_ids for out in llm.generate(PROMPTS[:2], PLAIN)] == \
+            [out.token_ids for out in want]
 
 
 # ---- the async engine ------------------------------------------------------------------------

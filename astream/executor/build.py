@@ -12,6 +12,7 @@ import torch
 
 from astream.base.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
+from astream.executor.graph_chain import ChainedStep
 from astream.executor.offload_graphs import OffloadDecodeGraphs, decodes_densely, selects_everywhere
 from astream.executor.runner import ModelRunner
 from astream.kvcache.calibration import calibrate_format, calibration_ids, scaled_format
@@ -146,6 +147,29 @@ def capture_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | Offlo
         with torch.inference_mode():
             graphs.capture()
     return graphs
+
+
+def release_graphs(graphs: DecodeGraphs | OffloadDecodeGraphs | None, runtime: DeviceRuntime) -> None:
+    """Destroy every CUDA graph of `graphs` (a runner's decode graphs; None: none), once the
+    device is idle; they cannot be replayed after. NCCL frees a communicator only once every
+    graph that captured one of its collectives is gone, so under tensor parallelism each rank
+    releases its graphs as it leaves the process group (parallel.group.leave_group), whoever
+    still holds them."""
+    if graphs is None or not runtime.is_cuda:
+        return
+    runtime.synchronize()
+    for graph in captured(graphs):
+        graph.reset()
+
+
+def captured(graphs: DecodeGraphs | OffloadDecodeGraphs) -> list:
+    """The CUDA graphs a runner's decode graphs hold, each once: one per (mode, size), or a
+    chained step's chain (shared by its modes) and its sampling graph."""
+    found: dict[int, object] = {}
+    for entry in graphs.graphs.values():
+        parts = [*entry.graphs, entry.sampling] if isinstance(entry, ChainedStep) else [entry]
+        found.update((id(graph), graph) for graph in parts if graph is not None)
+    return list(found.values())
 
 
 def captures_graphs(config: EngineConfig, runner: ModelRunner) -> bool:

@@ -23,7 +23,7 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
 from astream.base.config import EngineConfig
-from astream.executor.build import GraphSpec, build_runner, capture_graphs, kv_format
+from astream.executor.build import GraphSpec, build_runner, capture_graphs, kv_format, release_graphs
 from astream.executor.cache_plan import plan_runner_cache
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
@@ -116,12 +116,12 @@ def _start(tp, config: EngineConfig, checkpoint, device, conn: Connection):
 
 
 def _serve(runner, conn: Connection) -> None:
-    previous = None
+    previous = graphs = None
     try:
         while (message := conn.recv()) is not None:
             if isinstance(message, GraphSpec):
-                runner.graphs = capture_graphs(message, runner)
-                conn.send(("graphs", sorted(runner.graphs.graphs)))
+                graphs = runner.graphs = capture_graphs(message, runner)
+                conn.send(("graphs", sorted(graphs.graphs)))
             else:
                 previous = runner.follow(message, previous)
     except EOFError:                        # rank 0's process ended: so does this one
@@ -130,7 +130,7 @@ def _serve(runner, conn: Connection) -> None:
         _report(conn)
         sys.exit(1)
     finally:
-        leave_group()
+        leave_group(lambda: release_graphs(graphs, runner.runtime))
 
 
 def _report(conn: Connection) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from astream.base.config import EngineConfig
 from astream.base.errors import TensorParallelError
-from astream.executor.build import GraphSpec, capture_graphs
+from astream.executor.build import GraphSpec, capture_graphs, release_graphs
 from astream.executor.runner import HostStep, ModelRunner
 from astream.kvcache.sizing import CachePlan
 from astream.models.config import ModelConfig
@@ -31,6 +31,7 @@ from astream.models.tensor_parallel import TensorParallel
 from astream.parallel.group import (COLLECTIVE_TIMEOUT_S, free_port, join_group, leave_group,
                                     share_from_rank0)
 from astream.parallel.worker import worker_main
+from astream.runtime.device import DeviceRuntime
 
 STOP_GRACE_S = 5.0         # a rank asked to stop may finish its step; then it is terminated
 DEATH_WAIT_S = 2.0         # after a failed collective: how long a dying rank may take to exit
@@ -50,6 +51,8 @@ class WorkerGroup:
     lost: set[int] = field(default_factory=set)              # other hosts' ranks whose connection closed
     listener: Listener | None = None                         # the step channel, with several hosts
     closed: bool = False
+    graphs: object = None                                    # rank 0's captured decode graphs
+    runtime: DeviceRuntime | None = None                     # rank 0's, where it has graphs
 
     @classmethod
     def start(cls, config: EngineConfig, path: str, model: ModelConfig,
@@ -110,6 +113,7 @@ class WorkerGroup:
         self._send_all(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
         runner.graphs = None              # steps run eagerly until every rank has its graphs
         graphs = capture_graphs(spec, runner)
+        self.graphs, self.runtime = graphs, runner.runtime    # released as rank 0 leaves
         ours = sorted(graphs.graphs)
         for rank in self._ranks():
             theirs = self._receive(rank, "graphs")
@@ -159,7 +163,8 @@ class WorkerGroup:
                                    "the engine stops")
 
     def close(self) -> None:
-        """Stop every rank (politely, then by force, on this host) and leave the process group."""
+        """Stop every rank and leave the process group with them, releasing rank 0's decode
+        graphs, then wait for this host's ranks to exit (politely, then by force)."""
         if self.closed:
             return
         self.closed = True
@@ -169,6 +174,10 @@ class WorkerGroup:
                     pipe.send(None)
             except OSError:
                 pass
+        # Before waiting for the ranks: each leaves the group as it stops, and under NCCL a
+        # rank's teardown ends only once every other rank of the host has left too.
+        graphs, self.graphs = self.graphs, None
+        leave_group(lambda: release_graphs(graphs, self.runtime))
         for process in self.processes:
             if process is None:
                 continue
@@ -184,7 +193,6 @@ class WorkerGroup:
                 pipe.close()
         if self.listener is not None:
             self.listener.close()
-        leave_group()
 
     def _ranks(self) -> range:
         return range(1, len(self.processes) + 1)
