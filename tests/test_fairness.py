@@ -226,6 +226,38 @@ async def test_a_short_request_gets_its_first_token_while_long_prompts_prefill()
             await stream.aclose()
 
 
+@pytest.mark.anyio
+async def test_a_long_prefill_step_is_emitted_before_the_next_step_is_scheduled(monkeypatch):
+    """A step of at least half the token budget runs alone, so a request arriving while it
+    runs joins the very next step; other steps stay pipelined."""
+    from astream.core.engine_core import EngineCore
+
+    events, real_schedule, real_process = [], EngineCore.schedule, EngineCore.process
+
+    def schedule(self):
+        batch = real_schedule(self)
+        if batch is not None:
+            events.append(("scheduled", batch.step, batch.num_tokens))
+        return batch
+
+    def process(self, output):
+        events.append(("emitted", output.batch.step, output.batch.num_tokens))
+        return real_process(self, output)
+
+    monkeypatch.setattr(EngineCore, "schedule", schedule)
+    monkeypatch.setattr(EngineCore, "process", process)
+    long_prompt = " ".join(f"word{i}" for i in range(200))       # about 750 tokens
+    async with Engine(max_num_seqs=8, max_num_batched_tokens=256, **ENGINE_KW) as engine:
+        with anyio.fail_after(60):
+            await engine.generate(long_prompt, SamplingParams(temperature=0, max_tokens=6))
+    big = [step for kind, step, tokens in events if kind == "scheduled" and tokens >= 128]
+    assert len(big) >= 2                                  # several long chunks
+    for step in big:
+        emitted = events.index(("emitted", step, next(t for k, s, t in events if s == step)))
+        later = [i for i, e in enumerate(events) if e[0] == "scheduled" and e[1] == step + 1]
+        assert not later or later[0] > emitted            # the next one waited for it
+
+
 def test_short_prompts_of_a_busy_client_do_not_starve_another_clients_long_one():
     sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
     for i in range(4):

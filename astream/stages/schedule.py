@@ -2,6 +2,13 @@
 
 A batch is scheduled only after the previous one has been launched, so
 preemption never pulls blocks from under a batch whose inputs are not yet taken.
+
+A long prefill step runs alone: the next batch is formed only once it has been emitted.
+Scheduled while it runs, the next batch would be fixed before requests that arrive
+meanwhile could join it, and a short prompt arriving during a long prefill would wait
+for two long steps, not one. Such a step keeps the device busy for tens of
+milliseconds, so the host's few milliseconds of scheduling between the two cost little;
+decode steps, where they would cost much, stay pipelined.
 """
 
 from __future__ import annotations
@@ -11,11 +18,19 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from astream.stages.context import StageContext, StepTicket
 
+# A step that carries at least this share of the step's token budget runs alone.
+ALONE_SHARE = 2
+
 
 async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> None:
+    alone_tokens = max(2, ctx.core.plan.max_num_batched_tokens // ALONE_SHARE)
     async with outbox:
+        previous_alone = False
         while True:
             await ctx.step_slots.acquire()
+            if previous_alone:          # wait for the long step's own slot: it was emitted
+                await ctx.step_slots.acquire()
+                ctx.step_slots.release()
             batch = None
             while batch is None:
                 ctx.core.resume_caught_up()
@@ -25,3 +40,4 @@ async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> N
             ticket = StepTicket(batch, anyio.Event())
             await outbox.send(ticket)
             await ticket.launched.wait()
+            previous_alone = batch.num_tokens >= alone_tokens
