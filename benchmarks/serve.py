@@ -17,6 +17,12 @@ first on both sides, unmeasured. A run of a few seconds swings with the host bet
 processes, so a ratio of one server run to one offline run is noise; the summary gives each
 side's min / median / max over the rounds and each round's ratio to the offline median.
 
+Engine steps: around each run the script reads the server's /metrics, and records what the
+run's steps were (`engine_steps`): per kind (prefill: with a prompt chunk of more than one
+token; decode), how many, their mean time from scheduling to delivery and the bucket bounds
+their p50 and p90 fall under, and the prompt tokens they computed. A slow run shows there
+whether its steps were slower or more numerous.
+
     python benchmarks/serve.py --smoke                                   # CPU, embedded model
     python benchmarks/serve.py --model /models/qwen.gguf --request-rate inf 32 8 --offline
     python benchmarks/serve.py --url http://127.0.0.1:8765 --protocol ws    # a running server
@@ -53,6 +59,8 @@ sys.path.insert(0, str(ROOT))          # the checkout's astream, for --offline a
 from serve_load import (ClientReport, ClientSpec, Request, RequestResult, arrival_offsets,  # noqa: E402
                         client_main, split_round_robin)
 SMOKE_DIR = Path("/tmp/astream-smoke")
+# The server's view of the engine's metrics is at most 0.25 s old (server.engine_process).
+STATS_DELAY_S = 0.3
 
 # Full-size defaults, and the CPU smoke run's (the embedded SmolLM2, context 8192).
 DEFAULTS = {"random": dict(num_requests=256, input_len=(100, 1024), output_len=(100, 1024)),
@@ -274,6 +282,66 @@ def wait_idle(url: str, timeout: float = 120.0) -> dict:
         time.sleep(0.2)
     print(f"warning: the server was not idle after {timeout:g} s: {body}", file=sys.stderr)
     return body
+
+
+def engine_steps(url: str, api_key: str | None) -> dict | None:
+    """The engine's step counters from /metrics: per kind, steps, their seconds and histogram
+    buckets; and the prompt tokens steps computed. None where the server has none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    request = urllib.request.Request(f"{url}/metrics",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5.0) as response:
+            text = response.read().decode()
+    except (OSError, ValueError):
+        return None
+    steps: dict = {"prefill_tokens": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            kind = sample.labels.get("kind")
+            if sample.name == "astream_prefill_step_tokens_total":
+                steps["prefill_tokens"] = sample.value
+            elif sample.name.startswith("astream_step_seconds") and kind:
+                entry = steps.setdefault(kind, {"count": 0.0, "sum": 0.0, "buckets": {}})
+                if sample.name.endswith("_count"):
+                    entry["count"] = sample.value
+                elif sample.name.endswith("_sum"):
+                    entry["sum"] = sample.value
+                elif sample.name.endswith("_bucket"):
+                    entry["buckets"][float(sample.labels["le"])] = sample.value
+    return steps if len(steps) > 1 else None
+
+
+def step_delta(before: dict | None, after: dict | None) -> dict | None:
+    """What one pass's steps were: per kind, how many, their mean, and the bucket bounds their
+    p50 and p90 fall under (scheduling to delivery, ms); the prompt tokens they computed."""
+    if before is None or after is None:
+        return None
+    out = {"prefill_tokens": int(after["prefill_tokens"] - before["prefill_tokens"])}
+    for kind in ("prefill", "decode"):
+        a, b = after.get(kind), before.get(kind, {"count": 0.0, "sum": 0.0, "buckets": {}})
+        if a is None:
+            continue
+        count = a["count"] - b["count"]
+        bounds = sorted(a["buckets"])
+        cumulative = [a["buckets"][x] - b["buckets"].get(x, 0.0) for x in bounds]
+
+        def under(q: float) -> float | None:
+            hit = next((x for x, c in zip(bounds, cumulative) if c >= q * count), None)
+            return None if hit is None or hit == math.inf else round(1e3 * hit, 1)
+
+        out[kind] = {"steps": int(count),
+                     "mean_ms": round(1e3 * (a["sum"] - b["sum"]) / count, 2) if count else None,
+                     "p50_under_ms": under(0.5) if count else None,
+                     "p90_under_ms": under(0.9) if count else None}
+    return out
+
+
+def step_text(steps: dict) -> str:
+    parts = [f"{kind} {v['steps']} (mean {v['mean_ms']} ms, p50 <= {v['p50_under_ms']}, "
+             f"p90 <= {v['p90_under_ms']})" for kind, v in steps.items() if isinstance(v, dict)]
+    return "; ".join(parts) + f"; prompt tokens computed {steps['prefill_tokens']}"
 
 
 def served_model(url: str, api_key: str | None) -> str | None:
@@ -613,6 +681,7 @@ def main(argv: list[str] | None = None) -> dict:
             for rate in args.request_rate:
                 for protocol in args.protocol:
                     run_no += 1
+                    steps_before = engine_steps(url, args.api_key)
                     run = measure_run(protocol, rate, url, workload, args, model_name, run_no)
                     run["round"] = round_no
                     m = run["metrics"]["all"]
@@ -620,9 +689,13 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{run['rate']}: {m['completed']}/{m['requests']} ok, {m['output_tok_s']} out tok/s, "
                           f"TTFT p50 {m['ttft_ms']['p50']} ms"
                           + (f"; errors: {run['errors'][:3]}" if run["errors"] else ""), flush=True)
+                    health = wait_idle(url)
+                    time.sleep(STATS_DELAY_S)
+                    run["engine_steps"] = step_delta(steps_before, engine_steps(url, args.api_key))
+                    if run["engine_steps"]:
+                        print("  engine steps: " + step_text(run["engine_steps"]), flush=True)
                     if round_no >= 0:
                         runs.append(run)
-                    health = wait_idle(url)
 
     offline = None
     if args.offline:

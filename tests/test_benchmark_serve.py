@@ -280,3 +280,22 @@ def test_rounds_repeat_runs_and_the_offline_workload(tmp_path):
     assert len(result["offline"]["rounds"]) == 2
     assert all(r["output_tokens"] == 6 for r in result["offline"]["rounds"])
     assert result["summary"][0]["vs_offline"]["min"] > 0
+    for run in result["runs"]:                 # 2 prompts, 3 tokens each: 2 from decode steps
+        steps = run["engine_steps"]
+        assert steps["prefill"]["steps"] >= 1 and steps["prefill_tokens"] >= 2 * 16
+        assert 2 <= steps["decode"]["steps"] <= 4 and steps["decode"]["mean_ms"] > 0
+
+
+def test_step_delta_of_two_scrapes():
+    def scrape(prefill: tuple, decode: tuple, tokens: float) -> dict:
+        def kind(count, total, buckets):
+            return {"count": count, "sum": total, "buckets": dict(zip((0.01, 0.1, math.inf), buckets))}
+        return {"prefill_tokens": tokens, "prefill": kind(*prefill), "decode": kind(*decode)}
+
+    before = scrape((1, 0.05, (0, 1, 1)), (10, 0.05, (10, 10, 10)), 100.0)
+    after = scrape((3, 0.45, (0, 2, 3)), (30, 0.15, (28, 30, 30)), 900.0)
+    delta = serve.step_delta(before, after)
+    assert delta["prefill_tokens"] == 800
+    assert delta["prefill"] == {"steps": 2, "mean_ms": 200.0, "p50_under_ms": 100.0, "p90_under_ms": None}
+    assert delta["decode"] == {"steps": 20, "mean_ms": 5.0, "p50_under_ms": 10.0, "p90_under_ms": 10.0}
+    assert serve.step_delta(None, after) is None

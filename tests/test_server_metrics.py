@@ -65,6 +65,24 @@ async def test_counters_move_as_requests_finish(server, idle_free):
     assert value(after, "astream_requests_running") == 0
 
 
+async def test_steps_are_counted_by_kind_with_the_prompt_tokens_they_computed(server, idle_free):
+    before = await samples(server.port)
+    prompt = [(7 * i + 11) % 3000 + 100 for i in range(40)]     # token ids no other test sends
+    async with Client(server.url) as client:
+        _, done = await client.generate(prompt, **GREEDY)
+    await wait_idle(server.port, idle_free)
+    after = await samples(server.port)
+
+    def delta(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    generated = done["usage"]["completion_tokens"]
+    assert delta("astream_step_seconds_count", kind="prefill") == 1      # the 40 tokens at once
+    assert delta("astream_prefill_step_tokens_total") == 40
+    assert delta("astream_step_seconds_count", kind="decode") >= generated - 1
+    assert 0 < delta("astream_step_seconds_sum", kind="decode") < 60
+
+
 async def test_metrics_ask_for_the_api_key_when_one_is_set(server):
     async with StreamServer(server.engine, ServerOptions(**OPTIONS, api_key="s3cret")) as keyed:
         assert (await scrape(keyed.port))[0] == 401

@@ -1,4 +1,5 @@
-"""What an engine counts as requests finish: outcomes, tokens, and latency histograms.
+"""What an engine counts as requests finish and steps complete: outcomes, tokens, and
+latency histograms.
 
 Plain data, updated by each request's output channel on the thread that drives the core
 and read when something asks (the server's /metrics renders it for Prometheus, together
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+STEP_BUCKETS_S = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+STEP_KINDS = ("prefill", "decode")      # a step with a prompt chunk of more than one token, or not
 
 
 @dataclass(slots=True)
@@ -46,11 +49,21 @@ class EngineMetrics:
     generated_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
+    # From a batch's scheduling to its tokens' delivery: the wait behind the steps in flight
+    # and the step's own time, which a request admitted into it waits for its first token.
+    steps: dict[str, Histogram] = field(
+        default_factory=lambda: {kind: Histogram(STEP_BUCKETS_S) for kind in STEP_KINDS})
+    prefill_step_tokens: int = 0        # prompt tokens computed by steps, chunk by chunk
 
     def token(self, seconds_since: float, first: bool) -> None:
         """A request's token: `seconds_since` its submission (first) or its previous token."""
         (self.ttft if first else self.inter_token).observe(seconds_since)
         self.generated_tokens += 1
+
+    def step(self, seconds: float, prefill_tokens: int) -> None:
+        """A step's tokens were delivered, `seconds` after its batch was scheduled."""
+        self.steps["prefill" if prefill_tokens else "decode"].observe(seconds)
+        self.prefill_step_tokens += prefill_tokens
 
     def finished(self, reason: str, prompt_tokens: int) -> None:
         self.outcomes[reason] += 1

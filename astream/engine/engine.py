@@ -75,7 +75,8 @@ class Engine:
         finally:
             display.close()
         display.finish()
-        self._ctx = StageContext(self.core, Notifier(), anyio.Semaphore(STEPS_IN_FLIGHT))
+        self._ctx = StageContext(self.core, Notifier(), anyio.Semaphore(STEPS_IN_FLIGHT),
+                                 self.metrics)
         self._host = anyio.create_task_group()
         await self._host.__aenter__()
         try:

@@ -1,7 +1,8 @@
 """GET /metrics: the engine's counters and the server's gauges in Prometheus text format.
 
 Rendered at scrape time from `Engine.metrics` (requests by outcome, prompt and generated
-tokens, time to first token and inter-token latency) and `Engine.stats()` (running and
+tokens, time to first token, inter-token latency, and steps: their time from scheduling to
+delivery by kind, and the prompt tokens they computed) and `Engine.stats()` (running and
 waiting requests, KV blocks used and free, bytes offloading moved). Each server has a
 registry of its own, so several servers in one process never share series.
 """
@@ -41,6 +42,15 @@ class EngineCollector(Collector):
                          "From submission to the first token", metrics.ttft)
         yield _histogram("astream_inter_token_latency_seconds",
                          "Between consecutive tokens of a request", metrics.inter_token)
+        steps = HistogramMetricFamily("astream_step_seconds", "Engine steps, from forming the "
+                                      "batch to delivering its tokens, by kind (prefill: with a "
+                                      "prompt chunk of more than one token)", labels=["kind"])
+        for kind, histogram in metrics.steps.items():
+            steps.add_metric([kind], _buckets(histogram), sum_value=histogram.total)
+        yield steps
+        yield CounterMetricFamily("astream_prefill_step_tokens", "Prompt tokens computed by "
+                                  "steps (a recomputed prompt counts again)",
+                                  value=metrics.prefill_step_tokens)
         yield GaugeMetricFamily("astream_connections", "Open websocket connections",
                                 value=self.state.connections)
         yield from self._engine_gauges()
@@ -74,9 +84,13 @@ class EngineCollector(Collector):
 
 
 def _histogram(name: str, documentation: str, histogram: Histogram) -> HistogramMetricFamily:
-    buckets = [("+Inf" if bound == float("inf") else repr(bound), count)
-               for bound, count in histogram.cumulative()]
-    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total)
+    return HistogramMetricFamily(name, documentation, buckets=_buckets(histogram),
+                                 sum_value=histogram.total)
+
+
+def _buckets(histogram: Histogram) -> list[tuple[str, int]]:
+    return [("+Inf" if bound == float("inf") else repr(bound), count)
+            for bound, count in histogram.cumulative()]
 
 
 def metrics_registry(state: ServerState) -> CollectorRegistry:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
+from astream.base.metrics import EngineMetrics
 from astream.core.engine_core import EngineCore, ScheduledBatch
 from astream.core.request import Request
 from astream.runtime.events import Notifier
@@ -21,6 +22,8 @@ class StageContext:
     core: EngineCore
     wake: Notifier                       # something changed that may let the scheduler run
     step_slots: anyio.Semaphore          # bounds steps between schedule and emit
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    scheduled_at: dict[int, float] = field(default_factory=dict)   # step -> when it was formed
     long_prompt_chars: int = 20_000      # longer string prompts are tokenized off the loop thread
     tokenizer_threads: int = 2           # long prompts tokenized at once
 

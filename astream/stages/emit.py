@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from astream.core.engine_core import StepOutput
@@ -15,5 +17,10 @@ async def emit_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream) -> Non
             if isinstance(result, StepOutput):          # a failed step was settled in forward
                 await wait_event(result.ready)
                 ctx.core.process(result)
+            batch = result.batch
+            scheduled = ctx.scheduled_at.pop(batch.step, None)
+            if scheduled is not None:
+                ctx.metrics.step(time.perf_counter() - scheduled,
+                                 sum(item.num_tokens for item in batch.items if item.num_tokens > 1))
             ctx.step_slots.release()
             ctx.wake.notify()

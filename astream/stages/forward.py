@@ -41,6 +41,7 @@ async def forward_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream,
                 # failure ends (or retries alone) only the sequences in it.
                 step = core.prepare(ticket.batch)
                 if step is None:                          # everything in it ended meanwhile
+                    ctx.scheduled_at.pop(ticket.batch.step, None)
                     ticket.launched.set()
                     ctx.step_slots.release()
                     continue

@@ -13,6 +13,8 @@ decode steps, where they would cost much, stay pipelined.
 
 from __future__ import annotations
 
+import time
+
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
@@ -37,6 +39,7 @@ async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> N
                 batch = ctx.core.schedule()
                 if batch is None:
                     await ctx.wake.wait()
+            ctx.scheduled_at[batch.step] = time.perf_counter()
             ticket = StepTicket(batch, anyio.Event())
             await outbox.send(ticket)
             await ticket.launched.wait()
