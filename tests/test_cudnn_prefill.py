@@ -308,3 +308,35 @@ def test_the_engine_plans_every_shape_at_startup_and_its_prefills_meet_no_other(
     assert (2048, 2048, True) in calls["prefill"] and (2048, 2048, False) in calls["prefill"]
     assert set(calls["prefill"]) <= set(calls["startup"])
     assert got == want
+
+
+def test_an_engine_whose_cudnn_fails_at_startup_starts_on_the_varlen_kernel(
+        tiny_qwen3, monkeypatch, caplog):
+    """cuDNN failing while the plans are built (a library mismatch, no memory) turns cuDNN
+    prefill off with a warning; the engine starts and generates as without it."""
+    from astream import LLM, SamplingParams
+
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("cuDNN Frontend error: no execution plan")
+
+    prompt = torch.randint(100, 2000, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = LLM(str(tiny_qwen3), device="cpu", dtype="float32")
+    try:
+        want = plain.generate([prompt], params)[0].token_ids
+    finally:
+        plain.close()
+    monkeypatch.setattr(AttentionBackends, "select",
+                        classmethod(lambda cls, *a: cls("reference", "reference", cudnn_prefill=True)))
+    monkeypatch.setattr(cudnn_attention, "cudnn_dense", broken)
+    with caplog.at_level("WARNING", logger="astream"):
+        llm = LLM(str(tiny_qwen3), device="cpu", dtype="float32")
+    try:
+        assert llm.generate([prompt], params)[0].token_ids == want
+    finally:
+        llm.close()
+    assert calls == [1]                                  # tried at startup, then off
+    assert any("cuDNN prefill attention is off" in r.getMessage() for r in caplog.records)

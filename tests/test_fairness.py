@@ -201,6 +201,39 @@ def test_a_long_prompt_first_in_fairness_order_does_not_hold_back_a_short_one():
     assert chunks["long-a"] + chunks.get("long-b", 0) >= 60                # no short waits now
 
 
+def test_long_prefill_advances_when_a_quarter_budget_is_less_than_an_aligned_chunk():
+    """With offload, chunks end on block boundaries: a quarter of a small budget is less than
+    one block, and a short prompt arriving every step would have held the long one forever."""
+    config = SchedulerConfig(8, 64, 2048, short_prompt_tokens=16, align_chunks_to=32,
+                             prefer_chunks_of=32)
+    sched = Scheduler(config, BlockManager(256, 32))
+    long = Sequence("long", [1] * 600, P(max_tokens=4), 0, "c")
+    sched.add(long)
+    sched.schedule()
+    for step in range(4):
+        sched.add(Sequence(f"short{step}", [2] * 10, P(max_tokens=1), 1 + step, "c"))
+        chunks = {item.seq.request_id: item.num_tokens for item in sched.schedule().items}
+        assert chunks[f"short{step}"] == 10 and chunks["long"] == 32
+
+
+def test_a_long_prompt_that_gets_no_chunk_does_not_hold_back_a_short_one():
+    """A long prompt first in fairness order whose share this step is too small for an aligned
+    chunk is skipped for the short one behind it, not waited for."""
+    config = SchedulerConfig(4, 64, 2048, short_prompt_tokens=16, align_chunks_to=16,
+                             prefer_chunks_of=16)
+    sched = Scheduler(config, BlockManager(256, 16))
+    sched.add(Sequence("busy", [3] * 4, P(max_tokens=50), 0, "s"))
+    sched.schedule()
+    sched.add(Sequence("long-a", [1] * 136, P(max_tokens=8), 1, "a"))
+    for _ in range(2):                                # the whole budget twice: 8 tokens left
+        assert {i.seq.request_id: i.num_tokens for i in sched.schedule().items}["long-a"] == 64
+    sched.add(Sequence("long-b", [1] * 500, P(max_tokens=8), 2, "b"))     # idle client: first
+    sched.add(Sequence("short", [2] * 10, P(max_tokens=8), 3, "s"))
+    chunks = {item.seq.request_id: item.num_tokens for item in sched.schedule().items}
+    # long-a's last 8 tokens leave 8 of the 16-token share: no aligned chunk for long-b
+    assert chunks["long-a"] == 8 and "long-b" not in chunks and chunks["short"] == 10
+
+
 def test_without_short_prompts_waiting_long_prefills_take_the_whole_budget():
     sched = Scheduler(SchedulerConfig(4, 64, 1024, short_prompt_tokens=16), BlockManager(256, 4))
     sched.add(Sequence("long", [1] * 400, P(max_tokens=8), 0, "c"))

@@ -19,8 +19,8 @@ clients comes first), and while one waits (with a running slot free for it), the
 of unfinished long prompts shrink to a quarter of the step's token budget (and leave the
 short ones up to half of it). A step's time grows with its tokens, so the step that
 admits a chat turn arriving while long prompts prefill is a short one: its first token
-comes after the step already running and one quick step, and the long prompts still
-advance every step.
+comes after the step already running and one quick step, and long prefill still advances
+every step (the earliest long prompts first, as always).
 
 Running slots: a sequence that starts running takes the lowest free slot number below
 max_num_seqs (`seq.slot`) and gives it back when it stops (preempted or finished). With
@@ -183,7 +183,9 @@ class Scheduler:
         self._rebalance()
         budget = self.config.max_num_batched_tokens
         reserve = self._short_reserve(budget)
-        long_budget = budget // SHORT_STEP_SHARE if reserve else budget
+        # At least one aligned chunk (offload cuts chunks on block boundaries): a quarter of a
+        # small budget could be less, and the long prompts would never advance.
+        long_budget = max(budget // SHORT_STEP_SHARE, self.config.align_chunks_to) if reserve else budget
         items: list[ScheduledSeq] = []
         preempted = False
         running, block_size = self.running, self.blocks.block_size
@@ -281,6 +283,12 @@ class Scheduler:
                 break         # a sampled id still in flight: it can be admitted next step
             item = self._try_admit(seq, min(budget, long_budget) if long else budget,
                                    reserve=self._watermark())
+            if item is None and long:
+                # The long one gets no chunk or no blocks this step; a short one may still.
+                short = self.waiting.fairest(counts, short_only=True)
+                if short is not None and not short.num_pending:
+                    seq, long = short, False
+                    item = self._try_admit(seq, budget, reserve=self._watermark())
             if item is None:
                 break
             self.waiting.remove(seq)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -81,16 +81,24 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
 
 def warm_up_prefill_plans(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> None:
     """Build cuDNN's plans for every prefill shape the engine can meet, before the first
-    request: built later, each would stall the step that first meets it (ops.cudnn_attention)."""
+    request: built later, each would stall the step that first meets it (ops.cudnn_attention).
+    Where cuDNN fails here (a library mismatch, no memory for the largest shape), prefill
+    keeps FlashAttention-2 and the engine starts all the same."""
     if not runner.backends.cudnn_prefill:
         return
     model, started = runner.decoder.config, time.perf_counter()
-    with torch.inference_mode():
-        count = cudnn_attention.warm_up(
-            cudnn_attention.cudnn_dense, runner.backends.merge_into_rows,
-            plan.max_num_batched_tokens, plan.max_model_len, model.num_heads,
-            model.num_kv_heads, model.head_dim, runner.decoder.dtype, runner.runtime.device,
-            runner.scale)
+    try:
+        with torch.inference_mode():
+            count = cudnn_attention.warm_up(
+                cudnn_attention.cudnn_dense, runner.backends.merge_into_rows,
+                plan.max_num_batched_tokens, plan.max_model_len, model.num_heads,
+                model.num_kv_heads, model.head_dim, runner.decoder.dtype, runner.runtime.device,
+                runner.scale)
+    except RuntimeError as exc:              # torch.OutOfMemoryError is one too
+        runner.backends = replace(runner.backends, cudnn_prefill=False)
+        log.warning("astream: cuDNN prefill attention is off (%s: %s); prefill uses %s",
+                    type(exc).__name__, str(exc)[:200], runner.backends.varlen_name)
+        return
     log.info("astream: cuDNN prefill attention ready, %d shapes planned in %.1f s", count,
              time.perf_counter() - started)
 

@@ -63,8 +63,9 @@ def cudnn_dense(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     causal is top-left aligned (query i sees keys j <= i); the callers pass Tq == Tk.
     """
     # Strides are part of a plan's key: rows of a packed tensor are laid out alike, but a
-    # first chunk's v is a view into the QKV projection, so a copy keeps its plan the
-    # one `warm_up` built (a few MB, against a problem of thousands of rows).
+    # first chunk's v is a view into the QKV projection, so a copy keeps its plan the one
+    # `warm_up` built (each call copies its keys' v: tens of MB for a 16K chunk, against
+    # attention work of seconds' worth of bandwidth).
     heads_first = [x.contiguous().unsqueeze(0).transpose(1, 2) for x in (q, k, v)]
     result = torch.ops.aten._scaled_dot_product_cudnn_attention(
         *heads_first, None, True, 0.0, causal, False, scale=scale)

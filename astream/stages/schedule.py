@@ -18,9 +18,9 @@ import time
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
-from astream.stages.context import StageContext, StepTicket
+from astream.stages.context import STEPS_IN_FLIGHT, StageContext, StepTicket
 
-# A step that carries at least this share of the step's token budget runs alone.
+# A step whose prompt chunks carry at least this share of the step's token budget runs alone.
 ALONE_SHARE = 2
 
 
@@ -30,9 +30,11 @@ async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> N
         previous_alone = False
         while True:
             await ctx.step_slots.acquire()
-            if previous_alone:          # wait for the long step's own slot: it was emitted
-                await ctx.step_slots.acquire()
-                ctx.step_slots.release()
+            if previous_alone:          # every other slot too: nothing is in flight any more
+                for _ in range(STEPS_IN_FLIGHT - 1):
+                    await ctx.step_slots.acquire()
+                for _ in range(STEPS_IN_FLIGHT - 1):
+                    ctx.step_slots.release()
             batch = None
             while batch is None:
                 ctx.core.resume_caught_up()
@@ -43,4 +45,4 @@ async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> N
             ticket = StepTicket(batch, anyio.Event())
             await outbox.send(ticket)
             await ticket.launched.wait()
-            previous_alone = batch.num_tokens >= alone_tokens
+            previous_alone = sum(i.num_tokens for i in batch.items if i.num_tokens > 1) >= alone_tokens
