@@ -16,13 +16,22 @@ Their own Python runs wherever it can on the device at hand:
 - XAttention (mit-han-lab/x-attention): `Xattention_prefill` of xattn/src/Xattention.py (its
   torch path; `--xattn-triton` takes its Triton path on a GPU), with `block_sparse_attn_func`
   replaced by a recorder of the block mask.
+- FlexPrefill (bytedance/FlexPrefill): `flex_prefill_attention` and `get_active_blocks` of
+  flex_prefill/ops/flex_prefill_attention.py with their helpers, their source taken with
+  `ast` and run with CPU-side globals: its Triton average pool is a torch stand-in, its
+  block-sparse and dense kernels recorders of the block indices they are given, and its
+  intermediates (counts, block sums, JS distances, query-aware scores) are recorded as
+  they pass. `flexprefill_reference_rule` restates its selection from those block scores.
 
 Agreement is the Jaccard index |A & B| / |A | B| of the selected pages / columns / diagonals
 / blocks, per layer and query head (astream selects Quest pages per KV head: each query head
-is compared with its KV head's selection).
+is compared with its KV head's selection). A method is skipped with `--skip`; its reference
+is needed otherwise.
 
     python benchmarks/sparse_reference.py --quest-ref Q --minference-ref M --xattention-ref X \\
-        --out benchmarks/results/sparse_reference_smollm2_2k.json          # CPU, SmolLM2, 2K
+        --skip flexprefill --out benchmarks/results/sparse_reference_smollm2_2k.json   # CPU, 2K
+    python benchmarks/sparse_reference.py --flexprefill-ref F --skip quest,minference,xattention \\
+        --out benchmarks/results/sparse_prefill/flexprefill_reference_smollm2_2k.json
     python benchmarks/sparse_reference.py ... --model /tmp/qwen25coder05b.gguf --device cuda \\
         --dtype bfloat16 --prompt-len 16384 --out $OUT/sparse_reference_qwen_16k.json
 """
@@ -44,12 +53,14 @@ import torch
 
 from common import ROOT, device_name, smollm2  # noqa: I001
 from astream import LLM
+from astream.ops import flexprefill as fp_ops
 from astream.ops import minference as vs_ops
 from astream.ops import quest as quest_ops
 from astream.ops import xattention as xattn_ops
 from astream.ops.attention import VarlenMeta, varlen_attention
 from astream.ops.quest_select import select_decode_pages_ref
 from astream.policies.base import DecodeQuery, KVLayout, StepShape
+from astream.policies.flexprefill import FlexPrefillPolicy
 from astream.policies.minference import MInferencePolicy
 from astream.policies.quest import QuestPolicy
 from astream.policies.xattention import XAttentionPolicy
@@ -465,13 +476,289 @@ def compare_xattention(args, layers) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- FlexPrefill
+
+FLEXPREFILL_FUNCTIONS = ["torch_bhn_sumpool", "score_cover_topk", "score_cover_idx",
+                         "sum_all_diagonal_matrix", "transform_veritcal_slash_idx",
+                         "square_root_js_divergence", "get_active_blocks", "flex_prefill_attention"]
+
+
+def bnhd_avg_pool(x: torch.Tensor, kernel_size: int, pool_type: str = "avg") -> torch.Tensor:
+    """Torch stand-in for the reference's `triton_bnhd_pool(x, kernel_size)` (average): x [B, N,
+    H, D] -> [B, ceil(N / kernel_size), H, D], each block's mean over the rows it has (the
+    kernel divides by `cur_block_size_n`)."""
+    assert pool_type == "avg"
+    b, n, h, d = x.shape
+    m = -(-n // kernel_size)
+    sums = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, m * kernel_size - n)).view(b, m, kernel_size, h, d).sum(2)
+    counts = torch.full((m,), float(kernel_size), dtype=x.dtype, device=x.device)
+    counts[-1] = n - (m - 1) * kernel_size
+    return sums / counts.view(1, m, 1, 1)
+
+
+def rearrange_heads(x: torch.Tensor, pattern: str) -> torch.Tensor:
+    """einops.rearrange for the one pattern the reference's selection uses, where einops is
+    not installed."""
+    assert pattern.replace(" ", "") == "bhgij->b(hg)ij", pattern
+    return x.flatten(1, 2)
+
+
+def load_flexprefill_reference(root: Path) -> dict:
+    """The reference's selection (`flex_prefill_attention` and `get_active_blocks` of
+    flex_prefill/ops/flex_prefill_attention.py with their helpers, their own text) with
+    CPU-side globals: its average-pool kernel is `bnhd_avg_pool`, its block-sparse kernel a
+    recorder of the block indices it is given, its dense path (short prompts) a recorder of
+    None; the Jensen-Shannon distances and the intermediates named below are recorded as
+    they pass."""
+    path = root / "flex_prefill" / "ops" / "flex_prefill_attention.py"
+    blocks, distances = [], []
+
+    def block_wise_attention(q, k, v, block_idx, block_size, *args, **kwargs):
+        blocks.append([[index.flatten().cpu() for index in per_head] for per_head in block_idx])
+        return torch.zeros_like(q)
+
+    def dense_attention(q, *args, **kwargs):
+        blocks.append(None)
+        return torch.zeros_like(q)
+
+    try:
+        from einops import rearrange
+    except ImportError:
+        rearrange = rearrange_heads
+    from typing import List, Optional, Tuple, Union
+    namespace = {"torch": torch, "math": math, "rearrange": rearrange, "causal_mask": None,
+                 "List": List, "Optional": Optional, "Tuple": Tuple, "Union": Union,
+                 "triton_bnhd_pool": bnhd_avg_pool, "triton_block_wise_attention": block_wise_attention,
+                 "flash_attn_func": dense_attention, "triton_flash_attention": dense_attention,
+                 "blocks": blocks, "distances": distances}
+    load_source_functions(path, FLEXPREFILL_FUNCTIONS, namespace)
+    js = namespace["square_root_js_divergence"]
+
+    def recorded_js(p, q):
+        out = js(p, q)
+        distances.append(out.cpu())
+        return out
+
+    namespace["square_root_js_divergence"] = recorded_js
+    # get_active_blocks's own intermediates, as they pass: the per-head column / diagonal
+    # counts (score_cover_topk, vertical then slash), the block-summed vertical and slash
+    # (torch_bhn_sumpool, in that order) and each query-aware head's block scores.
+    namespace["recorded"] = recorded = {"counts": [], "pooled_lines": [], "qa_scores": []}
+    for name, key in (("score_cover_topk", "counts"), ("torch_bhn_sumpool", "pooled_lines"),
+                      ("score_cover_idx", "qa_scores")):
+        namespace[name] = _recording(namespace[name], recorded[key], keep_input=key == "qa_scores")
+    return namespace
+
+
+def _recording(function, into: list, keep_input: bool):
+    def wrapper(x, *args, **kwargs):
+        out = function(x, *args, **kwargs)
+        into.append((x if keep_input else out).detach().cpu().clone())
+        return out
+    return wrapper
+
+
+def flexprefill_reference_blocks(ref: dict, q: torch.Tensor, k: torch.Tensor, *, gamma: float,
+                                 tau: float, min_budget: int, max_budget: int | None,
+                                 block: int) -> dict:
+    """The reference on q [T, H, D], k [T, KVH, D], as its Qwen2/Llama forwards call it (GQA
+    not interleaved, the default softmax scale): per query head its (query block, key block)
+    pairs and whether it took the query-aware pattern (None on its dense path), with the
+    intermediates get_active_blocks computed (see load_flexprefill_reference)."""
+    for part in (ref["blocks"], ref["distances"], *ref["recorded"].values()):
+        part.clear()
+    ref["causal_mask"] = None                  # its module caches one for the first block size
+    n, n_heads = q.shape[0], q.shape[1]
+    ref["flex_prefill_attention"](q.unsqueeze(0), k.unsqueeze(0), torch.zeros_like(k).unsqueeze(0),
+                                  gamma, tau, min_budget=min_budget, max_budget=max_budget,
+                                  block_size=block)
+    n_b = -(-n // block)
+    if ref["blocks"][0] is None:                                    # its dense path
+        return {"pairs": [{(i, j) for i in range(n_b) for j in range(i + 1)}] * n_heads,
+                "aware": None}
+    recorded = ref["recorded"]
+    aware = (ref["distances"][0][0] < tau).tolist()
+    qa_heads = [h for h in range(n_heads) if aware[h]]
+    return {"pairs": [set(divmod(int(x), n_b) for x in index.tolist()) for index in ref["blocks"][0][0]],
+            "aware": aware, "js": ref["distances"][0][0],
+            "token_counts": (recorded["counts"][0][0], recorded["counts"][1][0]),
+            # its slash is indexed from the farthest diagonal block: reversed, index = distance
+            "vertical": recorded["pooled_lines"][0][0], "slash": recorded["pooled_lines"][1][0].flip(-1),
+            "qa_scores": {h: x.view(n_b, n_b) for h, x in zip(qa_heads, recorded["qa_scores"])}}
+
+
+def flexprefill_reference_rule(vertical: torch.Tensor, slash: torch.Tensor, qa_scores: torch.Tensor,
+                               aware: list[bool], token_counts: tuple[torch.Tensor, torch.Tensor],
+                               *, gamma: float, min_blocks: int, max_blocks: int | None,
+                               n_b: int) -> list[set]:
+    """The reference's selection rule (get_active_blocks), restated on given scores of a
+    prompt without a prefix: vertical and slash [H, n_b] block sums (slash indexed by
+    diagonal distance), qa_scores [H, n_b, n_b] query-aware block scores, the per-head
+    pattern, and the per-head counts of single columns and diagonals that reach gamma
+    (score_cover_topk). A head keeps count // 128 + 1 column blocks and as many diagonal
+    blocks (clamped to [min_blocks, max_blocks]; min_blocks of each on a query-aware head),
+    the top ones by block sum with column block 0 and diagonal 0 first; query block i reads
+    column blocks j <= i and key block i - d of each kept diagonal d. A query-aware head adds
+    the (query block, key block) pairs whose scores, in descending order over the whole head,
+    sum to at most gamma * n_b including their own (the pair crossing it is not kept)."""
+    high = n_b if max_blocks is None else min(max_blocks, n_b)
+    out = []
+    for h in range(vertical.shape[0]):
+        counts = []
+        for raw in token_counts:
+            count = min_blocks if aware[h] else min(max(int(raw[h]) // 128 + 1, min_blocks), high)
+            counts.append(min(count, n_b))
+        columns = _top_with_first(vertical[h], counts[0])
+        diagonals = _top_with_first(slash[h], counts[1])
+        pairs = {(i, j) for i in range(n_b) for j in range(i + 1)
+                 if j in columns or i - j in diagonals}
+        if aware[h]:
+            values, order = qa_scores[h].flatten().sort(descending=True)
+            kept = order[values.cumsum(0) <= gamma * n_b].tolist()
+            pairs |= {divmod(x, n_b) for x in kept} | {(0, 0)}
+        out.append(pairs)
+    return out
+
+
+def _top_with_first(scores: torch.Tensor, count: int) -> set[int]:
+    """Index 0 and the count - 1 highest of the others (none for a count of 0)."""
+    if count <= 0:
+        return set()
+    others = scores[1:].topk(count - 1).indices + 1
+    return {0, *others.tolist()}
+
+
+def astream_flexprefill_blocks(policy, q: torch.Tensor, k: torch.Tensor, scale: float,
+                               chunk: int = 0) -> dict:
+    """astream's selection as FlexPrefillRuntime._mask makes it (the dense tail, read whole
+    besides, is not part of it), over the whole prompt or, with `chunk`, per prefill chunk of
+    that many queries over its prefix and itself, as chunked prefill runs it: per head the
+    (query block, key block) pairs, and from the last chunk whether it took the query-aware
+    pattern and the estimate."""
+    block, n = policy.block_size, q.shape[0]
+    assert chunk % block == 0, "a chunk is whole blocks"
+    chunk = chunk or n
+    max_blocks = None if policy.max_budget is None else fp_ops.block_budget(policy.max_budget, block)
+    pairs = [set() for _ in range(q.shape[1])]
+    for c0 in range(0, n, chunk):
+        c1 = min(n, c0 + chunk)
+        est = fp_ops.last_block_estimate(q[c0:c1], k[:c1], block=block, scale=scale)
+        qa_scores = fp_ops.query_aware_scores(q[c0:c1], k[:c1], block=block, scale=scale)
+        mask, aware = fp_ops.select_blocks(
+            est, qa_scores, gamma=policy.gamma, tau=policy.tau,
+            min_blocks=fp_ops.block_budget(policy.min_budget, block), max_blocks=max_blocks,
+            n_q=c1 - c0, n_k=c1, block=block)
+        for h, rows in enumerate(mask.cpu()):
+            pairs[h] |= {(i + c0 // block, j) for i, j in rows.nonzero().tolist()}
+    return {"pairs": pairs, "aware": aware.cpu().tolist(),
+            "js": fp_ops.js_distance(est.pooled, est.vertical).cpu(),
+            "vertical": est.vertical.cpu(), "slash": est.slash.cpu(), "qa_scores": qa_scores.cpu()}
+
+
+def parse_flexprefill_setting(label: str):
+    """(astream's policy, the reference's settings as a policy, astream's prefill chunk) from
+    'SETTING' (both sides the same) or 'OURS/THEIRS', either followed by '@CHUNK' (astream's
+    selection per chunk of that many queries; none: the whole prompt at once, as the
+    reference), a setting being 'default' (astream's policy) or 'GAMMA:MIN_BUDGET' (tau and
+    block as astream's)."""
+    def one(text: str) -> FlexPrefillPolicy:
+        if text == "default":
+            return FlexPrefillPolicy()
+        gamma, min_budget = text.split(":")
+        return FlexPrefillPolicy(gamma=float(gamma), min_budget=int(min_budget))
+    label, _, chunk = label.partition("@")
+    ours, _, theirs = label.partition("/")
+    return one(ours), one(theirs or ours), int(chunk or 0)
+
+
+def compare_flexprefill(args, layers) -> dict:
+    ref = load_flexprefill_reference(Path(args.flexprefill_ref))
+    n = layers[0][0].shape[0]
+    scale = layers[0][0].shape[2] ** -0.5
+    out = {}
+    for label in args.flexprefill_settings:
+        policy, their_policy, chunk = parse_flexprefill_setting(label)
+        block = policy.block_size
+        n_b = -(-n // block)
+        per_layer, recall, explained, their_slash, same_pattern = {}, {}, {}, {}, []
+        aware_counts = {"astream": [], "reference": []}
+        density = {"astream": [], "reference": []}
+        gaps = {"vertical": 0.0, "slash": 0.0, "js_distance": 0.0, "query_aware_scores": 0.0}
+        n_heads = layers[0][0].shape[1]
+        visible = xattn_ops.visible_block_count(n, n, block) * n_heads
+        for layer, (q, k) in enumerate(layers):
+            ours = astream_flexprefill_blocks(policy, q, k, scale, chunk)
+            theirs = flexprefill_reference_blocks(
+                ref, q, k, gamma=their_policy.gamma, tau=their_policy.tau,
+                min_budget=their_policy.min_budget, max_budget=their_policy.max_budget, block=block)
+            their_aware = theirs["aware"] or [False] * n_heads
+            # The estimates and the restated rule are compared where both read the same last
+            # block of one whole prompt.
+            comparable = theirs["aware"] is not None and not chunk
+            if comparable:
+                for name, part in (("vertical", "vertical"), ("slash", "slash"), ("js_distance", "js")):
+                    gaps[name] = max(gaps[name], float((ours[part] - theirs[part]).abs().max()))
+                for h, scores in theirs["qa_scores"].items():
+                    gaps["query_aware_scores"] = max(gaps["query_aware_scores"], float(
+                        (ours["qa_scores"][h] - scores).abs().max()))
+                budget = their_policy.max_budget
+                # astream's scores through the reference's rule; then with the reference's
+                # diagonal sums instead of astream's (they differ where n % block != 0).
+                rules = [flexprefill_reference_rule(
+                    ours["vertical"], slash, ours["qa_scores"], ours["aware"],
+                    theirs["token_counts"], gamma=their_policy.gamma,
+                    min_blocks=-(-their_policy.min_budget // block),
+                    max_blocks=None if budget is None else -(-budget // block), n_b=n_b)
+                    for slash in (ours["slash"], theirs["slash"])]
+            for h in range(n_heads):
+                mine, their = ours["pairs"][h], theirs["pairs"][h]
+                per_layer.setdefault(layer, []).append(jaccard(mine, their))
+                recall.setdefault(layer, []).append(len(mine & their) / len(their))
+                same_pattern.append(float(ours["aware"][h] == their_aware[h]))
+                if comparable:
+                    explained.setdefault(layer, []).append(jaccard(rules[0][h], their))
+                    their_slash.setdefault(layer, []).append(jaccard(rules[1][h], their))
+            aware_counts["astream"].append(sum(ours["aware"]))
+            aware_counts["reference"].append(sum(their_aware))
+            density["astream"].append(sum(map(len, ours["pairs"])) / visible)
+            density["reference"].append(sum(map(len, theirs["pairs"])) / visible)
+        out[label] = {
+            **{name: getattr(policy, name) for name in ("gamma", "tau", "min_budget", "max_budget",
+                                                        "block_size", "dense_tail")},
+            "astream_prefill_chunk": chunk or None,
+            "reference": {name: getattr(their_policy, name)
+                          for name in ("gamma", "tau", "min_budget", "max_budget")},
+            "density_mean": {name: round(statistics.fmean(v), 4) for name, v in density.items()},
+            "query_aware_heads_per_layer": aware_counts,
+            "same_pattern_share": round(statistics.fmean(same_pattern), 4),
+            "estimate_max_abs_difference": gaps if explained else None,
+            **table(per_layer),
+            "astream_recall_of_reference": table(recall),
+            "astream_scores_with_reference_rule_vs_reference": table(explained) if explained else None,
+            "astream_scores_but_reference_slash_with_reference_rule_vs_reference":
+                table(their_slash) if explained else None}
+        row = out[label]
+        print(f"flexprefill {label}: {row['overall']}, recall of the reference's "
+              f"{row['astream_recall_of_reference']['overall']}, density {row['density_mean']}, same "
+              f"pattern {row['same_pattern_share']}, query-aware heads astream "
+              f"{sum(aware_counts['astream'])} / reference {sum(aware_counts['reference'])} of "
+              f"{n_heads * len(layers)}, estimate gaps {gaps if explained else None}, explained "
+              f"{explained and row['astream_scores_with_reference_rule_vs_reference']['overall']}, with "
+              f"its diagonal sums {explained and row['astream_scores_but_reference_slash_with_reference_rule_vs_reference']['overall']}")
+    return out
+
+
 # ---------------------------------------------------------------- main
+
+METHODS = ("quest", "minference", "xattention", "flexprefill")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quest-ref", required=True, help="a checkout of mit-han-lab/Quest")
-    parser.add_argument("--minference-ref", required=True, help="a checkout of microsoft/MInference")
-    parser.add_argument("--xattention-ref", required=True, help="a checkout of mit-han-lab/x-attention")
+    parser.add_argument("--quest-ref", help="a checkout of mit-han-lab/Quest")
+    parser.add_argument("--minference-ref", help="a checkout of microsoft/MInference")
+    parser.add_argument("--xattention-ref", help="a checkout of mit-han-lab/x-attention")
+    parser.add_argument("--flexprefill-ref", help="a checkout of bytedance/FlexPrefill")
     parser.add_argument("--model", default=None, help="a GGUF or HF folder (default: the embedded SmolLM2)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
@@ -488,10 +775,19 @@ def main() -> None:
                         help="'default' (astream's, scaled to the length) or V:S column:diagonal counts")
     parser.add_argument("--xattn-triton", action="store_true",
                         help="run the XAttention reference's Triton path (GPU only)")
-    parser.add_argument("--skip", default="", help="comma list of quest,minference,xattention")
+    parser.add_argument("--flexprefill-settings", type=lambda s: s.split(","),
+                        default=["default", "0.95:1024", "0.9:1024", "0.9:256", "default/0.95:1024",
+                                 "default@512"],
+                        help="'default' (astream's policy) or GAMMA:MIN_BUDGET (tau 0.1, block 128), "
+                             "the same on both sides, or OURS/THEIRS; '@CHUNK' after either: "
+                             "astream's selection per prefill chunk of CHUNK queries")
+    parser.add_argument("--skip", default="", help="comma list of quest,minference,xattention,flexprefill")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    for name in METHODS:
+        if name not in skip and not getattr(args, f"{name}_ref"):
+            parser.error(f"--{name}-ref is required unless --skip names {name}")
     model = args.model or smollm2()
     with LLM(model, device=args.device, dtype=args.dtype, max_model_len=args.prompt_len + 16) as llm:
         ids = prompt_ids(llm, args.prompt_len)
@@ -502,7 +798,8 @@ def main() -> None:
               "heads": layers[0][0].shape[1], "kv_heads": layers[0][1].shape[1],
               "head_dim": layers[0][0].shape[2],
               "references": {"quest": args.quest_ref, "minference": args.minference_ref,
-                             "xattention": args.xattention_ref}}
+                             "xattention": args.xattention_ref,
+                             "flexprefill": args.flexprefill_ref}}
     with torch.inference_mode():
         if "quest" not in skip:
             result["quest"] = compare_quest(args, layers, model_dtype, args.device)
@@ -510,6 +807,8 @@ def main() -> None:
             result["minference"] = compare_minference(args, layers)
         if "xattention" not in skip:
             result["xattention"] = compare_xattention(args, layers)
+        if "flexprefill" not in skip:
+            result["flexprefill"] = compare_flexprefill(args, layers)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

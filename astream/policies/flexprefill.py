@@ -25,9 +25,14 @@ the tail 2 (docs/BENCHMARKS.md): a lost fact costs more than the extra blocks.
 Where this differs from the authors' code, on purpose: a budget is counted in blocks from
 the blocks' own estimated mass (the fewest blocks reaching gamma), where the code sizes a
 top-k of blocks from the number of single columns or diagonals that reach gamma; every
-cover keeps the block that crosses gamma; the estimate masks the last block causally
-against a prefix of any length, so chunked prefill works; and selection is batched with no
-host sync.
+cover keeps the block that crosses gamma; diagonal block d is the distances [d * block,
+(d + 1) * block) at every length (the code's are shifted by the last block's padding when
+the length is not a multiple of the block); the estimate uses the model's softmax scale;
+the estimate masks the last block causally against a prefix of any length, so chunked
+prefill works; the last `dense_tail` queries read densely; and selection is batched with no
+host sync. On the same Q and K of a whole prompt the estimates and each head's pattern are
+the code's, and the blocks a superset of its blocks at equal settings (docs/BENCHMARKS.md,
+"Agreement with the authors' code").
 """
 
 from __future__ import annotations
