@@ -263,6 +263,21 @@ def test_a_failing_cudnn_part_falls_back_to_the_varlen_kernel(monkeypatch):
         backends.varlen(q, k, v, meta, causal=True, scale=0.2)
 
 
+def _generate_once(llm, prompt: list[int], params) -> list[int]:
+    """The tokens of one prompt, then the engine closed."""
+    try:
+        return llm.generate([prompt], params)[0].token_ids
+    finally:
+        llm.close()
+
+
+def _take_the_cudnn_path(monkeypatch, dense) -> None:
+    """Engines built from here on prefill long parts through `dense`, in cuDNN's place (CPU)."""
+    monkeypatch.setattr(AttentionBackends, "select",
+                        classmethod(lambda cls, *a: cls("reference", "reference", cudnn_prefill=True)))
+    monkeypatch.setattr(cudnn_attention, "cudnn_dense", dense)
+
+
 def test_the_engine_plans_every_shape_at_startup_and_its_prefills_meet_no_other(
         tiny_qwen3, tmp_path, monkeypatch):
     """Through the engine (CPU, the reference kernel standing in for cuDNN): building it plans
@@ -289,21 +304,11 @@ def test_the_engine_plans_every_shape_at_startup_and_its_prefills_meet_no_other(
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     options = dict(device="cpu", dtype="float32", max_model_len=8192, max_num_batched_tokens=2048,
                    max_num_seqs=2)
-    plain = LLM(str(model), **options)
-    try:
-        want = plain.generate([prompt], params)[0].token_ids
-    finally:
-        plain.close()
-
-    monkeypatch.setattr(AttentionBackends, "select",
-                        classmethod(lambda cls, *a: cls("reference", "reference", cudnn_prefill=True)))
-    monkeypatch.setattr(cudnn_attention, "cudnn_dense", standing_in)
+    want = _generate_once(LLM(str(model), **options), prompt, params)
+    _take_the_cudnn_path(monkeypatch, standing_in)
     llm = LLM(str(model), **options)
-    try:
-        phase[0] = "prefill"
-        got = llm.generate([prompt], params)[0].token_ids
-    finally:
-        llm.close()
+    phase[0] = "prefill"
+    got = _generate_once(llm, prompt, params)
     assert set(calls["startup"]) == set(cudnn_attention.LADDER.shapes(2048, 8192))
     assert (2048, 2048, True) in calls["prefill"] and (2048, 2048, False) in calls["prefill"]
     assert set(calls["prefill"]) <= set(calls["startup"])
@@ -324,19 +329,10 @@ def test_an_engine_whose_cudnn_fails_at_startup_starts_on_the_varlen_kernel(
 
     prompt = torch.randint(100, 2000, (200,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    plain = LLM(str(tiny_qwen3), device="cpu", dtype="float32")
-    try:
-        want = plain.generate([prompt], params)[0].token_ids
-    finally:
-        plain.close()
-    monkeypatch.setattr(AttentionBackends, "select",
-                        classmethod(lambda cls, *a: cls("reference", "reference", cudnn_prefill=True)))
-    monkeypatch.setattr(cudnn_attention, "cudnn_dense", broken)
+    want = _generate_once(LLM(str(tiny_qwen3), device="cpu", dtype="float32"), prompt, params)
+    _take_the_cudnn_path(monkeypatch, broken)
     with caplog.at_level("WARNING", logger="astream"):
         llm = LLM(str(tiny_qwen3), device="cpu", dtype="float32")
-    try:
-        assert llm.generate([prompt], params)[0].token_ids == want
-    finally:
-        llm.close()
+    assert _generate_once(llm, prompt, params) == want
     assert calls == [1]                                  # tried at startup, then off
     assert any("cuDNN prefill attention is off" in r.getMessage() for r in caplog.records)

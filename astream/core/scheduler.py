@@ -77,6 +77,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(item.num_tokens for item in self.items)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens of the prompt chunks of more than one token (a decode computes one)."""
+        return sum(item.num_tokens for item in self.items if item.num_tokens > 1)
+
 
 @dataclass(slots=True)
 class Scheduler:

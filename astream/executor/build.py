@@ -75,11 +75,11 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
         cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, fmt, device)
         runner = ModelRunner(**parts, cache=cache)
     runner.graphs = build_graphs(config, plan, runner)
-    warm_up_prefill_plans(config, plan, runner)
+    warm_up_prefill_plans(plan, runner)
     return runner
 
 
-def warm_up_prefill_plans(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> None:
+def warm_up_prefill_plans(plan: CachePlan, runner: ModelRunner) -> None:
     """Build cuDNN's plans for every prefill shape the engine can meet, before the first
     request: built later, each would stall the step that first meets it (ops.cudnn_attention).
     Where cuDNN fails here (a library mismatch, no memory for the largest shape), prefill

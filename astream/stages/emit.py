@@ -20,7 +20,6 @@ async def emit_stage(ctx: StageContext, inbox: MemoryObjectReceiveStream) -> Non
             batch = result.batch
             scheduled = ctx.scheduled_at.pop(batch.step, None)
             if scheduled is not None:
-                ctx.metrics.step(time.perf_counter() - scheduled,
-                                 sum(item.num_tokens for item in batch.items if item.num_tokens > 1))
+                ctx.metrics.step(time.perf_counter() - scheduled, batch.prefill_tokens)
             ctx.step_slots.release()
             ctx.wake.notify()

@@ -45,4 +45,4 @@ async def schedule_stage(ctx: StageContext, outbox: MemoryObjectSendStream) -> N
             ticket = StepTicket(batch, anyio.Event())
             await outbox.send(ticket)
             await ticket.launched.wait()
-            previous_alone = sum(i.num_tokens for i in batch.items if i.num_tokens > 1) >= alone_tokens
+            previous_alone = batch.prefill_tokens >= alone_tokens
