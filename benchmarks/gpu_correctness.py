@@ -33,13 +33,20 @@ PROMPTS = [
 REFERENCE = RESULTS / "cpu_reference_smollm2.json"
 # Quest with a budget the prompts outgrow, in pages of 8 tokens: the offloaded part of a
 # context (its full 16-token blocks, at most 32 tokens here) still has pages to leave out.
-# Resident, offload from CUDA graphs, offload eager, offload keeping pages between steps.
+# Resident, offload from CUDA graphs, offload eager, offload keeping pages between steps,
+# offload loading pages a layer ahead (from graphs and eager).
 QUEST = {"kv_block_size": 16, "sparse_policy": QuestPolicy(budget_tokens=24, page_size=8)}
 QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
                   "offload_quest_eager": {"offload": True, "enforce_eager": True},
                   "offload_quest_reuse_graphs": {
                       "offload": True,
-                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], reuse_pages=True)}}
+                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], reuse_pages=True)},
+                  "offload_quest_prefetch_graphs": {
+                      "offload": True,
+                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], prefetch=1.5)},
+                  "offload_quest_prefetch_eager": {
+                      "offload": True, "enforce_eager": True,
+                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], prefetch=1.5)}}
 DENSE_VARIANTS = {"offload16_graphs": {"offload": True, "kv_block_size": 16},
                   "offload16_eager": {"offload": True, "kv_block_size": 16, "enforce_eager": True}}
 
@@ -134,7 +141,8 @@ def main() -> None:
             graph_steps = stats["graph_steps"]
             if "quest_pages_read" in stats:     # summed over layers
                 results[f"{name}_pages"] = {key: sum(stats.get(key, [])) for key in
-                                            ("quest_pages_read", "quest_pages_loaded")}
+                                            ("quest_pages_read", "quest_pages_loaded",
+                                             "quest_pages_loaded_late")}
                 print(f"{name} pages:", results[f"{name}_pages"], flush=True)
             # Sampling at the end of one graph (resident), and after a chain of them (offload, Full).
             key = {"gpu_bf16_graphs": "graph_sampling",

@@ -18,7 +18,9 @@ Sections (the section's own options after its name; defaults in brackets):
   --steps [10] timed steps of each kind a run; --cases CTXxBATCH,...; --budgets full,4096;
   --kv-dtypes auto,fp8_e4m3 (in turn); --skip resident|offload; --layer-kernels
   reference,triton (in turn); --dense-graphs auto|never (offload Full: a chain of graphs,
-  or the eager ring); --reuse-pages; --eager (no CUDA graphs); --tokenizer DIR.
+  or the eager ring); --reuse-pages; --prefetch 0,1.5 (offload: Quest's prefetch values, in
+  turn for each budget; `late_bytes_per_step` is what the layers still gathered themselves);
+  --eager (no CUDA graphs); --tokenizer DIR.
 - `kernels`: the decode kernels against their torch references, then timings. bf16, the
   Qwen3-4B/8B attention shape (8 KV heads, 4 query heads each, head_dim 128), page 16, KV
   block 16. Per (batch, context, budget): the share of the fused selection's pages that the
@@ -67,6 +69,12 @@ Sections (the section's own options after its name; defaults in brackets):
   machine state. --model FILE --ctx [32000] --budget [4096] --steps [32]; use --repeats 3.
   (--smoke without --model: the tiny shape, random weights, SmolLM2's tokenizer.)
 
+- `prefetch`: Quest's prefetch changes what loads when, never what a step reads: per
+  --prefetch value (0 first), a fresh offloaded engine, CUDA graphs as the engine decides,
+  generates --steps greedy tokens for the same random prompts (--cases CTXxBATCH, Qwen3-4B
+  shape; --smoke: tiny) at --budget; a row fails unless its tokens equal prefetch 0's. Also
+  the pages read, loaded a layer early and loaded late per step. --kv-dtypes (in turn).
+
 - `filled`: decode steps over a context too long to prefill in a benchmark (a million tokens),
   written straight into the host pool (kv_fill.py: random K/V, Quest's page and group
   bounds as prefill computes them, the blocks published as a cached prefix). Offload, one
@@ -105,7 +113,7 @@ from astream.core.engine_core import EngineCore
 from astream.policies import QuestPolicy
 
 SECTIONS = ("speed", "kernels", "kernel_sweep", "layouts", "select_sweep", "locality", "profile",
-            "reuse", "filled")
+            "reuse", "filled", "prefetch")
 FULL = 1 << 40                                   # a budget no context reaches: the dense path
 PAGE_ELEMENTS = 16 * 128 * 2                     # one KV head's page: 16 tokens x 128 x K,V
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16       # the Qwen3-4B/8B attention shape, Quest's page
@@ -126,6 +134,7 @@ DEFAULTS = {
     "reuse": dict(ctx="32000", budget=4096, steps=32),
     "filled": dict(steps=10, kv_dtypes="fp8_e4m3", cases="1048576x1", budgets="4096",
                    shape="qwen3-4b"),
+    "prefetch": dict(steps=24, kv_dtypes="auto", cases="32768x2", budget=2048),
 }
 SMOKE = {
     "speed": dict(steps=3, kv_dtypes="auto"),
@@ -138,6 +147,7 @@ SMOKE = {
     "reuse": dict(ctx="600", budget=64, steps=4),
     "filled": dict(steps=3, kv_dtypes="fp8_e4m3", cases="2048x1,1024x2", budgets="128",
                    shape="tiny"),
+    "prefetch": dict(steps=6, kv_dtypes="auto", cases="600x2", budget=64),
 }
 
 
@@ -158,9 +168,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dense-graphs", default="auto",
                         help="speed, offload Full: auto (a chain of graphs) or never (the eager "
                              "ring), or both in turn: never,auto")
-    parser.add_argument("--skip", default="", help="speed: resident and/or offload")
+    parser.add_argument("--skip", default="",
+                        help="speed: resident, offload and/or offload_full (its Full rows)")
     parser.add_argument("--reuse-pages", action="store_true",
                         help="speed, offload: keep selected pages on the device between steps")
+    parser.add_argument("--prefetch", default="0",
+                        help="speed, offload: Quest prefetch values in turn, e.g. 0,1,1.5")
     parser.add_argument("--offload", action="store_true", help="profile: offload the KV cache")
     parser.add_argument("--reps", type=int, default=None, help="timed calls of a kernel a run")
     parser.add_argument("--contexts", default=None, help="the kernel sections' contexts")
@@ -221,8 +234,11 @@ def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = 
     from astream.executor.build import build_graphs
     from astream.ops.layer_kernels import LayerKernels
     runtime = core.runner.policy
-    runtime.policy = dataclasses.replace(runtime.policy, budget_tokens=budget, **policy)
-    runtime.traits = dataclasses.replace(runtime.traits, select_above=budget)
+    runtime.policy = quest = dataclasses.replace(runtime.policy, budget_tokens=budget, **policy)
+    # Page buffers exist where the engine started with them; a run without turns them off.
+    buffered = runtime.reuse is not None and quest.buffer_pages > 0
+    runtime.traits = dataclasses.replace(runtime.traits, select_above=budget, loads_pages=buffered,
+                                         prefetches=buffered and quest.prefetch > 0)
     core.runner.decoder.kernels = LayerKernels(kernels)
     # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
     core.runner.graphs = None
@@ -244,18 +260,24 @@ def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
     after = core.stats()
     pipelined = pipelined_steps(core, steps + 1)
     loaded = after.get("offload_bytes_loaded", 0) - before.get("offload_bytes_loaded", 0)
-    counter = "quest_pages_loaded" if any(after.get("quest_pages_loaded", [])) else "quest_pages_read"
-    pages = sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
-    element = 1 if after["kv_cache_dtype"].startswith("float8") else 2
-    gathered = pages * PAGE_ELEMENTS * element if after["offload"] else 0
+    def pages(counter: str) -> int:
+        return sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
+
+    element = PAGE_ELEMENTS * (1 if after["kv_cache_dtype"].startswith("float8") else 2)
+    buffered = pages("quest_pages_loaded") > 0
+    gathered = pages("quest_pages_loaded" if buffered else "quest_pages_read") * element
+    late = pages("quest_pages_loaded_late" if buffered else "quest_pages_read") * element
+    if not after["offload"]:
+        gathered = late = 0
     return {"step_ms": ms(times), "pipelined_step_ms": ms(pipelined),
             "bytes_loaded_per_step": loaded // steps, "bytes_gathered_per_step": gathered // steps,
+            "late_bytes_per_step": late // steps,
             "info": {"graph_steps": after["graph_steps"] - before["graph_steps"],
                      "prefill_s": round(prefill_s, 2)}}
 
 
 def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: int,
-                       kernel_sets: list[str], dense_graphs: str):
+                       kernel_sets: list[str], dense_graphs: str, prefetches: tuple[float, ...] = (0,)):
     with engine_core(config) as core:
         kv = core.stats()["kv_cache_dtype"]
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -271,12 +293,14 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
             prefill_s = time.perf_counter() - start
             for kernels in kernel_sets or [core.runner.decoder.kernels.name]:
                 for budget in budgets:
-                    set_budget(core, budget, kernels, dense_graphs)
-                    decode_steps(core, 2)                        # warm-up (and Triton compiles)
-                    yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
-                            "budget": "full" if budget == FULL else budget,
-                            "layer_kernels": kernels, "dense_graphs": dense_graphs},
-                           partial(measure_steps, core, steps, prefill_s))
+                    for prefetch in prefetches if budget != FULL else (0,):
+                        set_budget(core, budget, kernels, dense_graphs, prefetch=prefetch)
+                        decode_steps(core, 2)                    # warm-up (and Triton compiles)
+                        yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
+                                "budget": "full" if budget == FULL else budget,
+                                "prefetch": prefetch, "layer_kernels": kernels,
+                                "dense_graphs": dense_graphs},
+                               partial(measure_steps, core, steps, prefill_s))
             for rid in ids:
                 core.abort(rid)
 
@@ -290,13 +314,15 @@ def speed_cases(o):
     kernel_sets = [k for k in o.layer_kernels.split(",") if k]
     # Page reuse's device buffers are planned from the policy the engine starts with: the
     # largest budget timed (set_budget changes it between runs).
-    planned = max((b for b in budgets if b != FULL), default=FULL) if o.reuse_pages else FULL
+    prefetches = tuple(float(p) for p in o.prefetch.split(","))
+    buffered = o.reuse_pages or any(prefetches)
+    planned = max((b for b in budgets if b != FULL), default=FULL) if buffered else FULL
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
                 tokenizer=o.tokenizer or smollm2(), device=o.device,
                 dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
                 max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
-                                          reuse_pages=o.reuse_pages),
+                                          reuse_pages=o.reuse_pages, prefetch=max(prefetches)),
                 max_num_batched_tokens=16384, enforce_eager=o.eager)
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
@@ -306,8 +332,8 @@ def speed_cases(o):
         kv_base = {**base, "kv_cache_dtype": kv}
         if "resident" not in o.skip:
             # Page reuse is for offload (it raises without it): resident runs leave it off.
-            resident = {**kv_base, "sparse_policy": dataclasses.replace(base["sparse_policy"],
-                                                                        reuse_pages=False)}
+            resident = {**kv_base, "sparse_policy": dataclasses.replace(
+                base["sparse_policy"], reuse_pages=False, prefetch=0)}
             yield from engine_speed_cases(EngineConfig(**resident), "resident", resident_cases,
                                           budgets, o.steps, kernel_sets, "auto")
         if "offload" not in o.skip:
@@ -315,9 +341,10 @@ def speed_cases(o):
             pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
             cfg = EngineConfig(**{**kv_base, "offload": True, "num_kv_blocks": pool,
                                   **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
+            offload_budgets = [b for b in budgets if b != FULL or "offload_full" not in o.skip]
             for dense in o.dense_graphs.split(","):
-                yield from engine_speed_cases(cfg, "offload", offload_cases, budgets, o.steps,
-                                              kernel_sets, dense)
+                yield from engine_speed_cases(cfg, "offload", offload_cases, offload_budgets, o.steps,
+                                              kernel_sets, dense, prefetches)
 
 
 def summarize(result: dict) -> None:
@@ -331,8 +358,8 @@ def summarize(result: dict) -> None:
             for r in rows if r["params"]["mode"] == "resident" and r["params"]["budget"] == "full"
             and r["params"]["kv"] == first}
     print(f"\nmedian ms and x resident Full ({first})")
-    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}"
-          f"{'sync':>10}{'x Full':>8}{'pipelined':>11}{'x Full':>8}")
+    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'ahead':>6}"
+          f"{'sync':>10}{'x Full':>8}{'pipelined':>11}{'x Full':>8}{'late MB':>9}")
     for r in rows:
         p, f = r["params"], r["figures"]
         ref = full.get((p["context"], p["batch"], p["layer_kernels"]))
@@ -341,8 +368,9 @@ def summarize(result: dict) -> None:
             median = f[key]["median"]
             ratio = f"{median / ref['figures'][key]['median']:.2f}" if ref else "-"
             cells += f"{median:>{width}.2f}{ratio:>8}"
+        late = f.get("late_bytes_per_step", {}).get("median", 0) / 1e6
         print(f"{p['mode']:<9}{p['layer_kernels']:>10}{p['kv']:>14}{p['context']:>8}"
-              f"{p['batch']:>6}{str(p['budget']):>7}{cells}")
+              f"{p['batch']:>6}{str(p['budget']):>7}{p.get('prefetch', 0):>6}{cells}{late:>9.1f}")
 
 
 # ---------------------------------------------------------------- kernels, against torch
@@ -1053,7 +1081,63 @@ def filled_cases(o):
                     core.abort(f"f{i}")
 
 
+# ---------------------------------------------------------------- prefetch keeps the tokens
+
+def prefetch_tokens(config: EngineConfig, prompts: list[list[int]], steps: int) -> tuple[list, dict]:
+    with engine_core(config) as core:
+        params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+        sinks = [core.add_request(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        while core.scheduler.has_work():
+            core.step()
+        stats = core.stats()
+        tokens = [[t.token_id for t in sink.tokens] for sink in sinks]
+    pages = {key: sum(stats.get(key, [])) for key in
+             ("quest_pages_read", "quest_pages_loaded", "quest_pages_loaded_late")}
+    decode_steps_run = max(steps - 1, 1)
+    info = {"graph_steps": stats["graph_steps"],
+            "pages_read_per_step": round(pages["quest_pages_read"] / decode_steps_run, 1),
+            "pages_early_per_step": round((pages["quest_pages_loaded"]
+                                           - pages["quest_pages_loaded_late"]) / decode_steps_run, 1),
+            "pages_late_per_step": round(pages["quest_pages_loaded_late"] / decode_steps_run, 1)}
+    return tokens, info
+
+
+def prefetch_row(info: dict, same: int, batch: int) -> dict:
+    late = info.pop("pages_late_per_step")
+    return {"pages_late_per_step": [late],
+            "info": {**info, "same_tokens": f"{same}/{batch}", "ok": same == batch}}
+
+
+def prefetch_cases(o):
+    shape = "tiny" if o.smoke else "qwen3-4b"
+    values = [float(p) for p in o.prefetch.split(",")]
+    values = [0.0] + [p for p in values if p]
+    for kv in o.kv_dtypes.split(","):
+        for ctx, batch in parse_cases(o.cases):
+            gen = torch.Generator().manual_seed(ctx + batch)
+            prompts = [torch.randint(100, 49152, (ctx,), generator=gen).tolist() for _ in range(batch)]
+            want = None
+            for prefetch in values:
+                config = EngineConfig(
+                    model=str(shaped_model(shape, max_positions=ctx + o.steps + 64)),
+                    load_format="dummy", tokenizer=o.tokenizer or smollm2(), device=o.device,
+                    dtype="float32" if o.device == "cpu" else "bfloat16", offload=True,
+                    kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx + o.steps + 64,
+                    max_num_batched_tokens=16384, enforce_eager=o.eager,
+                    sparse_policy=QuestPolicy(budget_tokens=o.budget, dense_layers=0 if o.smoke else 2,
+                                              prefetch=prefetch),
+                    **({"kv_block_size": 16, "offload_slot_tokens": 64} if o.smoke else {}))
+                tokens, info = prefetch_tokens(config, prompts, o.steps)
+                if want is None:
+                    want = tokens
+                same = sum(a == b for a, b in zip(tokens, want))
+                yield ({"kv": kv, "context": ctx, "batch": batch, "budget": o.budget,
+                        "prefetch": prefetch},
+                       partial(prefetch_row, info, same, batch))
+
+
 SECTION_CASES = {"speed": speed_cases, "kernels": kernels_cases,
                  "kernel_sweep": kernel_sweep_cases, "layouts": layouts_cases,
                  "select_sweep": select_sweep_cases, "locality": locality_cases,
-                 "profile": profile_cases, "reuse": reuse_cases, "filled": filled_cases}
+                 "profile": profile_cases, "reuse": reuse_cases, "filled": filled_cases,
+                 "prefetch": prefetch_cases}

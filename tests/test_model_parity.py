@@ -82,3 +82,36 @@ def hf_argmax_loop(model, prompt_ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt_ids):]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "smollm2"])
+def test_an_early_query_from_a_layers_own_residual_is_that_layers_query(arch, request):
+    """Decoder.early_query(l, residual) is the query layer l computes from that residual
+    (input norm, Q projection with its bias, Q norm, RoPE); given the residual entering
+    layer l - 1 instead, it is the prefetch's prediction."""
+    if arch == "smollm2":
+        llm = request.getfixturevalue("smol_llm")
+    else:
+        llm = LLM(str(request.getfixturevalue(f"tiny_{arch}")), device="cpu", dtype="float32",
+                  num_kv_blocks=64)
+    decoder = llm.core.model.decoder
+    prompt = torch.tensor([5, 17, 923, 4411, 8, 77, 1000, 12, 3])
+    positions = torch.arange(40, 40 + len(prompt))
+    residuals, queries = {}, {}
+
+    def attend(layer, q, k, v):
+        queries[layer] = q.clone()
+        return torch.zeros_like(q)
+
+    def lookahead(layer, hidden, at):
+        assert at is positions
+        residuals[layer] = hidden.clone()
+
+    with torch.inference_mode():
+        decoder.forward(prompt, positions, attend, lookahead)
+        layers = decoder.config.num_layers
+        assert sorted(residuals) == sorted(queries) == list(range(layers))
+        for layer in range(layers):
+            early = decoder.early_query(layer, residuals[layer], positions)
+            torch.testing.assert_close(early, queries[layer], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(decoder.early_query(1, residuals[0], positions), queries[1])

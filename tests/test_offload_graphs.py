@@ -22,8 +22,9 @@ PROMPTS = [LONG, "The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 33, 20, 7)]
 
 
-def quest(dense_layers: int = 2, reuse_pages: bool = False) -> QuestPolicy:
-    return QuestPolicy(budget_tokens=128, dense_layers=dense_layers, reuse_pages=reuse_pages)
+def quest(dense_layers: int = 2, reuse_pages: bool = False, prefetch: float = 0) -> QuestPolicy:
+    return QuestPolicy(budget_tokens=128, dense_layers=dense_layers, reuse_pages=reuse_pages,
+                       prefetch=prefetch)
 
 
 def with_static_graphs(llm: LLM, max_batch: int) -> OffloadDecodeGraphs:
@@ -34,13 +35,14 @@ def with_static_graphs(llm: LLM, max_batch: int) -> OffloadDecodeGraphs:
     return runner.graphs
 
 
-@pytest.mark.parametrize("dense_layers, reuse_pages", [(2, False), (0, False), (2, True)])
-def test_static_decode_steps_give_the_eager_offload_tokens(dense_layers, reuse_pages):
-    """With reuse_pages, static steps keep the pages in their rows' slots; the eager steps
-    they are compared with load every page."""
+@pytest.mark.parametrize("dense_layers, reuse_pages, prefetch",
+                         [(2, False, 0), (0, False, 0), (2, True, 0), (2, False, 1.5), (0, False, 1)])
+def test_static_decode_steps_give_the_eager_offload_tokens(dense_layers, reuse_pages, prefetch):
+    """With reuse_pages, static steps keep the pages in their rows' slots; with prefetch,
+    they load them a layer early too; the eager steps they are compared with load every page."""
     with LLM(**KW, sparse_policy=quest(dense_layers)) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    with LLM(**KW, sparse_policy=quest(dense_layers, reuse_pages)) as llm:
+    with LLM(**KW, sparse_policy=quest(dense_layers, reuse_pages, prefetch)) as llm:
         graphs = with_static_graphs(llm, max_batch=4)
         got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
         stats = llm.stats()
@@ -52,7 +54,11 @@ def test_static_decode_steps_give_the_eager_offload_tokens(dense_layers, reuse_p
         # 40 tokens after ~700 fill two or more tails; they reached the host and were read.
         assert stats["offload_bytes_offloaded"] > 0
         loaded, read = stats["quest_pages_loaded"], stats["quest_pages_read"]
-        assert sum(loaded) < sum(read) if reuse_pages else sum(loaded) == 0
+        late = stats["quest_pages_loaded_late"]
+        if prefetch:
+            assert 0 < sum(late) < sum(read) / 2 and sum(loaded) > sum(late)
+        else:
+            assert sum(loaded) < sum(read) if reuse_pages else sum(loaded) == 0
     assert got == want
 
 

@@ -85,15 +85,21 @@ def random_plan_steps(seed: int, rows: int, heads: int, width: int, pages: int, 
 
 
 def check_triton_plan(device: str) -> int:
-    """The Triton plan against the torch one, step after step from the state each leaves."""
+    """The Triton plan against the torch one, step after step from the state each leaves.
+    A case with more slots than its width alternates, as Quest's prefetch does, plans as
+    wide as the slots (the prediction) with plans of the width (the layer's own choice)."""
     from astream.ops.triton_page_reuse import plan_reuse_triton
-    cases = [(3, 2, 6, 12, 30), (2, 4, 40, 120, 12), (1, 8, 272, 2048, 6), (4, 1, 300, 400, 6)]
-    for seed, (rows, heads, width, pages, steps) in enumerate(cases):
-        held = torch.full((rows, heads, width), -1, dtype=torch.int64)
+    cases = [(3, 2, 6, 12, 30, 6), (2, 4, 40, 120, 12, 40), (1, 8, 272, 2048, 6, 272),
+             (4, 1, 300, 400, 6, 300), (2, 3, 20, 90, 16, 30), (1, 8, 256, 2048, 8, 384)]
+    for seed, (rows, heads, width, pages, steps, slots) in enumerate(cases):
+        held = torch.full((rows, heads, slots), -1, dtype=torch.int64)
         owner = torch.full((rows, heads), -1, dtype=torch.int64)
         held_dev, owner_dev = held.to(device, copy=True), owner.to(device, copy=True)
         loaded, loaded_dev = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64, device=device)
-        for want, counts, owners in random_plan_steps(seed, rows, heads, width, pages, steps):
+        wide = random_plan_steps(seed + 100, rows, heads, slots, pages, steps)
+        narrow = random_plan_steps(seed, rows, heads, width, pages, steps)
+        plans = (plan for pair in zip(wide, narrow) for plan in pair) if slots > width else narrow
+        for want, counts, owners in plans:
             page_list, load_to = plan_reuse_(held, owner, want, counts, owners, loaded)
             got = plan_reuse_triton(held_dev, owner_dev, want.to(device), counts.to(device),
                                     owners.to(device), loaded_dev)
@@ -106,12 +112,12 @@ def check_triton_plan(device: str) -> int:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
 def test_triton_plan_interpreter_matches_reference():
-    assert run_interpreted_check("test_page_reuse", "check_triton_plan") == 4
+    assert run_interpreted_check("test_page_reuse", "check_triton_plan") == 6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_plan_on_gpu_matches_reference():
-    assert check_triton_plan("cuda") == 4
+    assert check_triton_plan("cuda") == 6
 
 
 def test_plan_in_place_keeps_state_for_the_next_step():

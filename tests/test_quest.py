@@ -123,7 +123,52 @@ def test_reused_pages_in_a_batch_match_loading_every_page():
     assert results[0] == results[1]
 
 
-def test_reused_page_buffers_are_counted_in_the_device_plan():
+def test_prefetched_pages_give_plain_quests_tokens_and_load_most_pages_a_layer_early():
+    """prefetch=1.5: each sparse layer's pages, predicted from the layer before, load into
+    its page buffers before it selects; it reads exactly what plain Quest reads (the same
+    tokens), loads only the missed pages itself, and the dense layers prefetch nothing."""
+    prompts = [LONG, LONG.replace("stones", "pebbles"), *SHORT]
+    results, stats = {}, {}
+    for prefetch in (0, 1.5):
+        with LLM(**KW, offload=True, max_num_batched_tokens=256, sparse_policy=QuestPolicy(
+                budget_tokens=128, dense_layers=2, prefetch=prefetch)) as llm:
+            results[prefetch] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            stats[prefetch] = llm.stats()
+    assert results[1.5] == results[0]
+    read, late = stats[1.5]["quest_pages_read"], stats[1.5]["quest_pages_loaded_late"]
+    early = [a - b for a, b in zip(stats[1.5]["quest_pages_loaded"], late)]
+    assert read == stats[0]["quest_pages_read"] and stats[0]["quest_pages_loaded"] == [0] * 30
+    assert early[:2] == late[:2] == [0, 0]                  # the dense layers
+    assert all(e > 0 for e in early[2:])                    # layer 1 predicts layer 2, and on
+    # The early query names most pages: the layers load under half of what they read.
+    assert sum(late) < 0.5 * sum(read)
+    assert stats[1.5]["kv_blocks_free"] == stats[1.5]["kv_blocks_total"]
+
+
+def test_a_wrong_prediction_costs_loads_never_tokens(monkeypatch):
+    """The prediction only decides what loads early: with a random early query the tokens
+    are plain Quest's, and the layers load more pages themselves."""
+    from astream.models.decoder import Decoder
+
+    def random_query(self, layer, hidden, positions):
+        cfg = self.config
+        return torch.randn(hidden.shape[0], cfg.num_heads, cfg.head_dim, dtype=hidden.dtype)
+
+    policy = QuestPolicy(budget_tokens=128, dense_layers=2, prefetch=1)
+    late = {}
+    for wrong in (False, True):
+        if wrong:
+            monkeypatch.setattr(Decoder, "early_query", random_query)
+        with LLM(**KW, offload=True, sparse_policy=policy) as llm:
+            tokens = llm.generate([LONG], GREEDY)[0].token_ids
+            late[wrong] = sum(llm.stats()["quest_pages_loaded_late"])
+        if not wrong:
+            want = tokens
+    assert tokens == want
+    assert late[True] > late[False]
+
+
+def test_page_buffers_are_counted_in_the_device_plan():
     from astream.base.config import EngineConfig
     from astream.executor.cache_plan import _decode_buffer_bytes
     from astream.models.config import ModelConfig
@@ -143,6 +188,13 @@ def test_reused_page_buffers_are_counted_in_the_device_plan():
     short = EngineConfig(offload=True, max_num_seqs=3, max_model_len=2048)
     assert _decode_buffer_bytes(wide, model, short, 2) == 0
     assert _decode_buffer_bytes(QuestPolicy(budget_tokens=1 << 40, reuse_pages=True), model, config, 2) == 0
+    # prefetch=1.5 holds 1.5 x the budget's pages (48 of 16 tokens), with or without reuse_pages,
+    # also where that exceeds the context while the budget does not.
+    for reuse_pages in (False, True):
+        ahead = QuestPolicy(budget_tokens=512, dense_layers=2, prefetch=1.5, reuse_pages=reuse_pages)
+        assert _decode_buffer_bytes(ahead, model, config, 2) == 8 * 3 * 768 * 256 * 2
+    ahead = QuestPolicy(budget_tokens=3072, dense_layers=2, prefetch=1.5)
+    assert _decode_buffer_bytes(ahead, model, config, 2) == 8 * 3 * 4608 * 256 * 2
 
 
 def test_blocks_come_back_after_preemption_prefix_hits_and_cancels_with_quest():
@@ -248,10 +300,19 @@ def test_the_cli_takes_a_policy_and_a_budget():
         _configs(build_parser().parse_args(["serve", "--sparse-policy", "quets"]))
 
 
-def test_reuse_pages_without_offload_is_an_error_not_a_no_op():
+def test_reuse_pages_or_prefetch_without_offload_is_an_error_not_a_no_op():
     from astream import Engine
-    with pytest.raises(ValueError, match="reuse_pages .* needs offload=True"):
+    with pytest.raises(ValueError, match="reuse_pages and prefetch .* need offload=True"):
         Engine.check_options(sparse_policy=QuestPolicy(reuse_pages=True))
+    with pytest.raises(ValueError, match="need offload=True"):
+        Engine.check_options(sparse_policy=QuestPolicy(prefetch=1.5))
     with pytest.raises(ValueError, match="reuse_pages"):
         Engine.check_options(sparse_policy="xattention+quest(reuse_pages=True)")
     assert Engine.check_options(sparse_policy=QuestPolicy(reuse_pages=True), offload=True).offload
+    assert Engine.check_options(sparse_policy="quest(prefetch=1.5)", offload=True).offload
+
+
+@pytest.mark.parametrize("value", [0.5, -1, 9, True, "1.5"])
+def test_a_prefetch_that_is_not_off_or_a_budget_multiple_is_refused(value):
+    with pytest.raises(ValueError, match="prefetch must be 0"):
+        QuestPolicy(prefetch=value)

@@ -40,9 +40,7 @@ def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: Engin
     """Device bytes of the policy's per-row decode buffers on the offloaded layers."""
     if not config.offload:
         return 0
-    tokens = policy.decode_buffer_tokens()
-    if tokens >= (config.max_model_len or model.max_position_embeddings):   # never selects
-        return 0
+    tokens = policy.decode_buffer_tokens(config.max_model_len or model.max_position_embeddings)
     layers = model.num_layers - len(policy.offload_device_layers(model.num_layers))
     per_token = model.kv_bytes_per_token // model.num_layers * element_size
     return tokens * config.max_num_seqs * layers * per_token

@@ -16,11 +16,18 @@ whole, a layer ahead of compute (OffloadEngine.context_loads), and the policy at
 prefix and chunk at once, exactly as on the resident path. The layers the policy never
 makes sparse (the engine's `device_layers`) keep their whole cache on the device and
 attend there as on the resident path (PagedAttention over `on_device`).
+
+A policy that prefetches (`PolicyTraits.prefetches`) gets, at the start of each layer l
+(`lookahead`, called by the decoder), layer l+1's query predicted from the residual stream
+entering layer l (`predict`, Decoder.early_query), on the engine's prefetch stream: what
+it loads there overlaps layer l's compute, and layer l+1 waits for it before its own
+selection.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -30,6 +37,10 @@ from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
 from astream.ops.backends import AttentionBackends
 from astream.policies import DecodeQuery, PolicyRuntime, StepPlan, StepShape
+from astream.runtime.events import Event
+
+# predict(layer, residual [T, hidden], positions [T]) -> that layer's query [T, H, D]
+PredictFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def plan_offloaded_step(plan: OffloadStepPlan, policy: PolicyRuntime) -> StepPlan:
@@ -52,7 +63,38 @@ class OffloadAttention:
     scale: float
     on_device: PagedAttention | None = None        # the engine's device layers, read in place
     contexts: ContextLoads | None = None           # whole prefixes of whole-prefill layers
-    gathered_view: tuple[torch.Tensor, ...] | None = None
+    gathered_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    predict: PredictFn | None = None               # the early query, where the policy prefetches
+    prefetched: dict[int, Event | None] = field(default_factory=dict)   # layer -> its prefetch
+
+    @property
+    def lookahead(self) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
+        """The decoder's hook at each layer's start, where this step prefetches."""
+        prefetches = (self.predict is not None and self.policy.traits.prefetches
+                      and self.step.load_pages and self.plan.decode_context is not None
+                      and self.plan.decode_context.owners is not None)
+        return self._prefetch_next if prefetches else None
+
+    def _prefetch_next(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Layer `layer` starts: the policy prefetches for the next layer, on the engine's
+        prefetch stream, after what compute has queued so far (hidden is written by then)."""
+        target = layer + 1
+        if target not in self.step.select_layers or target in self.engine.device_layers:
+            return
+        context, rt, stream = self.plan.decode_context, self.engine.runtime, self.engine.prefetch
+        rt.wait(rt.record_event(), stream)
+        if stream is not None:
+            # Compute frees `hidden` a layer on, while this stream may still read it.
+            hidden.record_stream(stream)
+            positions.record_stream(stream)
+        with rt.on(stream):
+            if not context.every_row:
+                hidden, positions = hidden.index_select(0, context.rows), positions.index_select(0, context.rows)
+            q = self.predict(target, hidden, positions)
+            self.policy.prefetch_pages(target, DecodeQuery(
+                q, context.block_tables, context.context_lens, context.max_context, physical=True),
+                self.engine, context.owners)
+            self.prefetched[target] = rt.record_event(stream)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer in self.engine.device_layers:
@@ -103,6 +145,8 @@ class OffloadAttention:
     def _selected_pages(self, layer: int, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows over the host pages the policy chooses, gathered straight from the pool."""
         context = self.plan.decode_context
+        # Its prefetch updates the page buffers this layer's load_pages reads and plans on.
+        self.engine.runtime.wait(self.prefetched.pop(layer, None))
         q_dec = q if context.every_row else q.index_select(0, context.rows)
         chosen = self.policy.select_decode(layer, DecodeQuery(
             q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
@@ -110,13 +154,16 @@ class OffloadAttention:
         reused = None
         if self.step.load_pages and context.owners is not None:
             reused = self.policy.load_pages(layer, chosen, self.engine, context.owners)
-        if self.gathered_view is None:          # the same shapes on every sparse layer of a step
-            self.gathered_view = _gathered_view(rows, heads, picked, chosen.page_size, q.device)
-        own_block, page_list, every_token = self.gathered_view
         if reused is None:
             dk, dv = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
         else:                                   # the pages sit in the rows' slots, in any order
-            dk, dv, page_list = reused
+            dk, dv, _ = reused
+        tokens = dk.shape[2]                    # a buffer may hold more slots than pages picked
+        if tokens not in self.gathered_views:   # the same shapes on the sparse layers of a step
+            self.gathered_views[tokens] = _gathered_view(rows, heads, picked, tokens, q.device)
+        own_block, page_list, every_token = self.gathered_views[tokens]
+        if reused is not None:
+            page_list = reused[2]
         part = self.backends.paged_decode_selected(
             q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
             every_token, page_size=chosen.page_size, scale=self.scale,
@@ -154,12 +201,11 @@ def whole_prefill_loads(engine: OffloadEngine, plan: OffloadStepPlan,
     return engine.context_loads(context.prefix_runs, layers, context.num_keys) if layers else None
 
 
-def _gathered_view(rows: int, heads: int, picked: int, page_size: int,
+def _gathered_view(rows: int, heads: int, picked: int, tokens: int,
                    device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Gathered pages as a cache of one "block" per row, read through its own page list:
-    (block table, page lists, context lengths)."""
+    """Gathered pages as a cache of one "block" of `tokens` per row, read through its own
+    page list: (block table, page lists, context lengths)."""
     own_block = torch.arange(rows, dtype=torch.int32, device=device).view(rows, 1)
     page_list = torch.arange(picked, dtype=torch.int32, device=device).expand(rows, heads, picked)
-    every_token = torch.full((rows,), picked * page_size, dtype=torch.int32, device=device)
+    every_token = torch.full((rows,), tokens, dtype=torch.int32, device=device)
     return own_block, page_list, every_token
-

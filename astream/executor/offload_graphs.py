@@ -218,8 +218,9 @@ class OffloadDecodeGraphs:
         else:
             loads = engine.loads([[] for _ in range(layers)])
         attend = OffloadAttention(engine, plan, loads, step, meta.slot_mapping, self.backends,
-                                  self.policy, scale, on_device)
-        hidden = self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend)
+                                  self.policy, scale, on_device, predict=self.decoder.early_query)
+        hidden = self.decoder.forward(buf["input_ids"][:size], buf["positions"][:size], attend,
+                                      attend.lookahead)
         if self.dense:
             loads.finish()
         return hidden

@@ -30,7 +30,7 @@ from astream.executor.sampler import SamplingBatch, build_sampling_batch, sample
 from astream.kvcache.kv_format import KVFormat
 from astream.kvcache.offload_engine import OffloadEngine
 from astream.kvcache.paged_cache import PagedKVCache
-from astream.models.decoder import Decoder
+from astream.models.decoder import Decoder, LookaheadFn
 from astream.ops.backends import AttentionBackends
 from astream.policies import PolicyRuntime, StepShape
 from astream.runtime.device import DeviceRuntime
@@ -242,15 +242,17 @@ class ModelRunner:
             engine.on_device, inputs.attn, self.backends, self.policy, step, self.scale)
         attend = OffloadAttention(engine, plan, loads, step, inputs.attn.slot_mapping,
                                   self.backends, self.policy, self.scale, on_device,
-                                  whole_prefill_loads(engine, plan, layers))
-        return (yield from self._layers(inputs, attend))
+                                  whole_prefill_loads(engine, plan, layers),
+                                  predict=self.decoder.early_query)
+        return (yield from self._layers(inputs, attend, attend.lookahead))
 
-    def _layers(self, inputs: StepInputs, attend) -> Generator[Event, None, torch.Tensor]:
+    def _layers(self, inputs: StepInputs, attend, lookahead: LookaheadFn | None = None
+                ) -> Generator[Event, None, torch.Tensor]:
         """Layer by layer; yields after each so the driver can bound how far the host runs
         ahead of the device, and let other work on the event loop in between."""
         decoder = self.decoder
         stream = decoder.embed(inputs.input_ids)
         for layer in range(decoder.config.num_layers):
-            stream = decoder.layer(layer, stream, inputs.positions, attend)
+            stream = decoder.layer(layer, stream, inputs.positions, attend, lookahead)
             yield self.runtime.record_event()
         return decoder.final_norm(stream)

@@ -25,12 +25,16 @@ pages of a caller's), `context_loads` (whole prefixes, for a sparse prefill poli
 `pending_offloads`, and `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
 
-Three streams, ordered only by events, never by the host:
+Four streams, ordered only by events, never by the host:
 - H2D (loads) waits for the slot's previous reader to finish (`slot.free`) and for the
   layer's last offload (the block it reads may have just been written);
 - compute waits for `slot.loaded` before reading a slot, and for the layer's last
   offload before overwriting a staging buffer or a tail it reads from;
-- D2H (offloads) waits for the compute that produced the KV.
+- D2H (offloads) waits for the compute that produced the KV;
+- prefetch runs `gather_pages` for a layer ahead of compute (a policy's `prefetch_pages`):
+  it waits for the compute queued before it, and compute waits for it before the layer it
+  loaded for (executor.offload_attention). It has the higher priority, so its page reads
+  start while the layer before computes rather than after.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class OffloadEngine:
     device_layers: frozenset[int] = frozenset()
     h2d: torch.cuda.Stream | None = None
     d2h: torch.cuda.Stream | None = None
+    prefetch: torch.cuda.Stream | None = None
     offloaded: list[Event | None] = field(default_factory=list)   # per layer: its latest D2H
     staging_free: list[Event | None] = field(default_factory=lambda: [None, None])
     bytes_loaded: int = 0
@@ -129,7 +134,8 @@ class OffloadEngine:
                                                  fmt, device) if device_layers else None
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
                    buffers(max_seqs + 1, layers), fmt, pool, on_device, frozenset(device_layers),
-                   h2d=runtime.new_stream(), d2h=runtime.new_stream(), offloaded=[None] * layers)
+                   h2d=runtime.new_stream(), d2h=runtime.new_stream(),
+                   prefetch=runtime.new_stream(priority=-1), offloaded=[None] * layers)
 
     @property
     def slot_blocks(self) -> int:
@@ -225,9 +231,10 @@ class OffloadEngine:
                      into: tuple[torch.Tensor, torch.Tensor] | None = None,
                      dst_pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages of the layer's host KV (page_ids [B, KVH, P] physical page ids, the first
-        counts [B, KVH] of each row real) read in place by a device kernel, on the compute
-        stream, into dense k, v [B, KVH, P * page_size, head_dim]: new buffers, or `into`,
-        where with dst_pages [B, KVH, P] entry p fills page dst_pages[b, h, p] (-1: not read)."""
+        counts [B, KVH] of each row real) read in place by a device kernel, on the current
+        stream (compute, or prefetch), into dense k, v [B, KVH, P * page_size, head_dim]: new
+        buffers, or `into` (of any number of pages), where with dst_pages [B, KVH, P] entry p
+        fills page dst_pages[b, h, p] (-1: not read)."""
         rt = self.runtime
         rt.wait(self.offloaded[layer])          # no page is read while it is being written
         if into is None:
@@ -235,7 +242,8 @@ class OffloadEngine:
             shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
             into = (torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device),
                     torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device))
-        gather_pages(self.host_k[layer], self.host_v[layer], page_ids, *into, counts, dst_pages)
+        gather_pages(self.host_k[layer], self.host_v[layer], page_ids, *into, counts, dst_pages,
+                     page_size)
         return into
 
     def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:

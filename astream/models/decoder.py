@@ -20,10 +20,14 @@ import torch.nn.functional as F
 from astream.models.config import ModelConfig
 from astream.models.layers import RotaryTable
 from astream.models.tensor_parallel import TensorParallel
+from astream.ops import layer_ref
 from astream.ops.layer_kernels import LayerKernels
 
 # attend(layer_index, q [T,H,D], k [T,KVH,D], v [T,KVH,D]) -> out [T,H,D]
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# lookahead(layer_index, residual [T, hidden] entering that layer, positions [T]): called
+# before the layer's attention, so a caller may start work the next layer will need.
+LookaheadFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(slots=True)
@@ -81,15 +85,31 @@ class Decoder:
         return Residual(self.tp.all_reduce(rows.masked_fill_(elsewhere[:, None], 0)))
 
     def layer(self, layer: int, stream: Residual, positions: torch.Tensor,
-              attend: AttendFn) -> Residual:
+              attend: AttendFn, lookahead: LookaheadFn | None = None) -> Residual:
         cfg, w, ops = self.config, self.weights.layers[layer], self.kernels
         x, hidden = ops.add_rms_norm(stream.hidden, stream.pending, w.input_norm, cfg.rms_norm_eps)
+        if lookahead is not None:
+            lookahead(layer, hidden, positions)
         q, k, v = ops.qkv_rope(F.linear(x, w.qkv, w.qkv_bias), positions, self.rope.cos,
                                self.rope.sin, cfg.num_heads, cfg.num_kv_heads, w.q_norm,
                                w.k_norm, cfg.rms_norm_eps)
         attn_out = F.linear(attend(layer, q, k, v).reshape(hidden.shape[0], -1), w.o_proj)
         x, hidden = ops.add_rms_norm(hidden, self._reduce(attn_out), w.post_norm, cfg.rms_norm_eps)
         return Residual(hidden, self._reduce(self._mlp(w, x)))
+
+    def early_query(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Layer `layer`'s query [T, H, D] computed from another layer's residual stream
+        `hidden` [T, hidden] (its input norm, Q projection, Q norm and RoPE): a prediction
+        of the query, made before the layers in between have run."""
+        cfg, w = self.config, self.weights.layers[layer]
+        rows = cfg.num_heads * cfg.head_dim
+        x = layer_ref.rms_norm_ref(hidden, w.input_norm, cfg.rms_norm_eps)
+        q = F.linear(x, w.qkv[:rows], None if w.qkv_bias is None else w.qkv_bias[:rows])
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q = layer_ref.rms_norm_ref(q, w.q_norm, cfg.rms_norm_eps)
+        cos, sin = self.rope.cos[positions], self.rope.sin[positions]
+        return layer_ref.rotate_ref(q, cos, sin)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's partial sums, completed over the ranks."""
@@ -105,11 +125,12 @@ class Decoder:
             out[rows] = F.linear(self.kernels.silu_mul(F.linear(x[rows], w.gate_up)), w.down)
         return out
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                lookahead: LookaheadFn | None = None) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden]."""
         stream = self.embed(input_ids)
         for layer in range(self.config.num_layers):
-            stream = self.layer(layer, stream, positions, attend)
+            stream = self.layer(layer, stream, positions, attend, lookahead)
         return self.final_norm(stream)
 
     def final_norm(self, stream: Residual) -> torch.Tensor:

@@ -133,18 +133,19 @@ def paged_decode_selected_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block
 
 def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
                      dst_v: Tensor, counts: Tensor | None = None,
-                     dst_pages: Tensor | None = None) -> None:
+                     dst_pages: Tensor | None = None, page_size: int | None = None) -> None:
     """Copy pages of a head-major pool into dense buffers (all tensors on one device).
 
     src [num_blocks, KVH, block_size, D]; page_src [B, KVH, P] int64 physical page ids
-    (block * ppb + j); dst [B, KVH, P * page_size, D], page_size = dst.shape[2] // P.
-    Entry (b, h, p) fills dst[b, h, p*page_size:(p+1)*page_size] from KV head h of that
-    page. With counts [B, KVH], entries p >= counts are skipped (dst keeps its contents).
-    With dst_pages [B, KVH, P] (distinct per row and head), entry p fills destination page
-    dst_pages[b, h, p] instead of p, and entries whose dst_pages is negative are skipped.
+    (block * ppb + j); dst [B, KVH, N * page_size, D], by default N = P (page_size =
+    dst.shape[2] // P). Entry (b, h, p) fills dst[b, h, p*page_size:(p+1)*page_size] from
+    KV head h of that page. With counts [B, KVH], entries p >= counts are skipped (dst keeps
+    its contents). With dst_pages [B, KVH, P] (distinct per row and head, < N), entry p
+    fills destination page dst_pages[b, h, p] instead of p, and entries whose dst_pages is
+    negative are skipped.
     """
     n_sel = page_src.shape[2]
-    page_size = dst_k.shape[2] // max(n_sel, 1)
+    page_size = page_size or dst_k.shape[2] // max(n_sel, 1)
     ppb = pages_per_block(src_k.shape[2], page_size)
     if dst_pages is None:
         dst_pages = torch.arange(n_sel, device=page_src.device).expand(page_src.shape)
@@ -155,7 +156,7 @@ def gather_pages_ref(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tens
     ids = page_src[b, h, p].long()
     toks = (ids % ppb).unsqueeze(-1) * page_size + torch.arange(page_size, device=ids.device)
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        dst_view = dst.unflatten(2, (n_sel, page_size))
+        dst_view = dst.unflatten(2, (dst.shape[2] // page_size, page_size))
         dst_view[b, h, dst_pages[b, h, p].long()] = src[(ids // ppb).unsqueeze(-1),
                                                         h.unsqueeze(-1), toks].to(dst.dtype)
 
@@ -174,11 +175,13 @@ def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
 
 
 def gather_pages(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor, dst_v: Tensor,
-                 counts: Tensor | None = None, dst_pages: Tensor | None = None) -> None:
+                 counts: Tensor | None = None, dst_pages: Tensor | None = None,
+                 page_size: int | None = None) -> None:
     """`gather_pages_ref`'s contract; on CUDA dst the Triton kernel also reads a pinned
     host src directly (zero-copy), one page per program."""
     if select_decode_backend(dst_k.device) == "triton":
         from astream.ops import triton_pages
-        triton_pages.gather_pages_triton(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages)
+        triton_pages.gather_pages_triton(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages,
+                                         page_size)
         return
-    gather_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages)
+    gather_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages, page_size)

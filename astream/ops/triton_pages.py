@@ -180,13 +180,13 @@ def paged_decode_selected_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 def gather_pages_triton(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor,
                         dst_v: Tensor, counts: Tensor | None = None,
-                        dst_pages: Tensor | None = None) -> None:
+                        dst_pages: Tensor | None = None, page_size: int | None = None) -> None:
     """See astream.ops.pages.gather_pages_ref. src may be pinned host memory (mapped into
     the device's address space); every tensor needs a contiguous head_dim."""
     batch, kv_heads, n_sel = page_src.shape
     if n_sel == 0 or batch == 0:
         return
-    page_size = dst_k.shape[2] // n_sel
+    page_size = page_size or dst_k.shape[2] // n_sel
     block_size, head_dim = src_k.shape[2], src_k.shape[3]
     if page_size & (page_size - 1) or block_size % page_size:
         raise ValueError(f"page_size {page_size}: need a power of two dividing {block_size}")

@@ -44,8 +44,8 @@ def make_policy(spec: str | SparsePolicy, budget_tokens: int | None = None) -> S
 def check_policy_mode(policy: SparsePolicy, offload: bool) -> None:
     """Options that only mean something with offload raise without it, rather than do nothing."""
     if not offload and policy.decode_buffer_tokens():
-        raise ValueError(f"sparse policy {policy.name}: reuse_pages keeps the pages of an "
-                         "offloaded cache on the device between steps; it needs offload=True")
+        raise ValueError(f"sparse policy {policy.name}: reuse_pages and prefetch keep pages of an "
+                         "offloaded cache on the device; they need offload=True")
 
 
 def _combined_policy(spec: str, parts: list[tuple[str, dict]], budget_tokens: int | None) -> CombinedPolicy:

@@ -28,7 +28,10 @@ Ten concepts:
    pages a decode query reads. Called on the layers `plan_step` chose.
 8. `load_pages(layer, PageSelection, HostPages, owners)`: with offload, how the chosen
    pages reach the device. Called only if `traits.loads_pages`; returning None (or not
-   overriding it) lets the engine read them from the host pool itself.
+   overriding it) lets the engine read them from the host pool itself. With
+   `traits.prefetches`, `prefetch_pages(layer, DecodeQuery, HostPages, owners)` is called
+   too, during the layer before, with a query predicted from that layer's residual stream
+   and on a stream of its own: it may start loading what `load_pages` will then find.
 9. `prefill_attention(layer, q, k, v, meta, causal, scale)`: attention over one prefill
    part (a chunk over itself, or over a slice of its prefix) as (out, lse), on the layers
    `traits.prefill_layers` names; None there is the engine's kernel.
@@ -76,6 +79,7 @@ class PolicyTraits:
     decode_layers: frozenset[int] = NO_LAYERS      # layers whose decode may read selected pages
     select_above: int = 0            # ... once a step's longest decode context exceeds this (tokens)
     loads_pages: bool = False                      # with offload, call load_pages for the pages
+    prefetches: bool = False                       # ... and prefetch_pages a layer ahead
     prefill_layers: frozenset[int] = NO_LAYERS     # layers whose prefill attention it replaces
     # With offload, layers whose KV stays on the device too: `offload_device_layers`, which
     # sized the memory before bind (the engine raises ValueError where they differ).
@@ -162,6 +166,12 @@ class PolicyRuntime:
         row's sequence's `kv_epoch` (renewed whenever the sequence's blocks start over)."""
         return None
 
+    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages, owners: Tensor) -> None:
+        """With offload, before layer `layer`'s own queries exist: query.q is a prediction
+        of them. Start loading the pages it names where `load_pages` will look for them.
+        Runs on the engine's prefetch stream, ordered before that layer's `load_pages`."""
+        return None
+
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
                           causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:
         """Attention over one prefill part (q [Tq, H, D], k/v [Tk, KVH, D] packed by `meta`;
@@ -200,10 +210,10 @@ class SparsePolicy:
         """Whether it replaces prefill attention (with offload it then reads whole prefixes)."""
         return self.phase == "prefill"
 
-    def decode_buffer_tokens(self) -> int:
+    def decode_buffer_tokens(self, max_context: int | None = None) -> int:
         """With offload, tokens of KV the runtime keeps on the device per decode row and
-        offloaded layer besides the cache (Quest's `reuse_pages`), counted when the device
-        memory is planned."""
+        offloaded layer besides the cache (Quest's `reuse_pages`, `prefetch`), counted when
+        the device memory is planned, for contexts up to max_context (None: any)."""
         return 0
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:

@@ -46,15 +46,16 @@ class CombinedPolicy(SparsePolicy):
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         return self.decode.offload_device_layers(num_layers)
 
-    def decode_buffer_tokens(self) -> int:
-        return self.decode.decode_buffer_tokens()
+    def decode_buffer_tokens(self, max_context: int | None = None) -> int:
+        return self.decode.decode_buffer_tokens(max_context)
 
     def bind(self, layout: KVLayout) -> "CombinedRuntime":
         prefill, decode = self.prefill.bind(layout), self.decode.bind(layout)
         traits = PolicyTraits(
             watches_keys=prefill.traits.watches_keys or decode.traits.watches_keys,
             decode_layers=decode.traits.decode_layers, select_above=decode.traits.select_above,
-            loads_pages=decode.traits.loads_pages, prefill_layers=prefill.traits.prefill_layers,
+            loads_pages=decode.traits.loads_pages, prefetches=decode.traits.prefetches,
+            prefill_layers=prefill.traits.prefill_layers,
             device_layers=decode.traits.device_layers)
         return CombinedRuntime(prefill, decode, traits=traits)
 
@@ -77,6 +78,9 @@ class CombinedRuntime(PolicyRuntime):
     def load_pages(self, layer: int, chosen: PageSelection, pool: HostPages,
                    owners: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         return self.decode.load_pages(layer, chosen, pool, owners)
+
+    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages, owners: Tensor) -> None:
+        self.decode.prefetch_pages(layer, query, pool, owners)
 
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
                           causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:

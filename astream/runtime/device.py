@@ -83,8 +83,9 @@ class DeviceRuntime:
         host.copy_(tensor, non_blocking=True)
         return host
 
-    def new_stream(self) -> torch.cuda.Stream | None:
-        return torch.cuda.Stream(self.device) if self.is_cuda else None
+    def new_stream(self, priority: int = 0) -> torch.cuda.Stream | None:
+        """A stream (None on the CPU); a negative priority is a higher one."""
+        return torch.cuda.Stream(self.device, priority=priority) if self.is_cuda else None
 
     def on(self, stream: torch.cuda.Stream | None):
         """Context manager: queue work on `stream` (a no-op on the CPU)."""

@@ -33,6 +33,8 @@ from astream.ops.quest import select_quest_backend
 
 log = logging.getLogger("astream")
 
+EARLY, LATE = 0, 1      # the columns of PageReuse.loaded: loaded by a prefetch, by the layer itself
+
 
 @dataclass(slots=True)
 class ReusePlan:
@@ -93,7 +95,7 @@ class PageReuse:
     rows: int
     num_layers: int
     buffers: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = field(default_factory=dict)
-    loaded: Tensor | None = None     # [layers] int64 pages loaded into slots (device)
+    loaded: Tensor | None = None     # [layers, (EARLY, LATE)] int64 pages loaded into slots (device)
     disabled: bool = False           # a buffer could not be allocated: no new ones
 
     def layer(self, layer: int, kv_heads: int, width: int, page_size: int, head_dim: int,
@@ -120,9 +122,13 @@ class PageReuse:
             return None
         self.buffers[layer] = found
         if self.loaded is None:
-            self.loaded = torch.zeros(self.num_layers, dtype=torch.int64, device=device)
+            self.loaded = torch.zeros(self.num_layers, 2, dtype=torch.int64, device=device)
         return found
 
-    def pages_loaded(self) -> list[int]:
-        """Pages loaded into slots per layer (reads the device counter)."""
-        return [0] * self.num_layers if self.loaded is None else self.loaded.tolist()
+    def pages_loaded(self) -> tuple[list[int], list[int]]:
+        """Pages loaded into slots per layer, (by prefetches, by the layers themselves):
+        reads the device counters."""
+        if self.loaded is None:
+            return [0] * self.num_layers, [0] * self.num_layers
+        early, late = self.loaded.cpu().unbind(1)
+        return early.tolist(), late.tolist()

@@ -18,13 +18,20 @@ with the authors' code").
 
 With offload, `reuse_pages=True` keeps each layer's selected pages on the device from one
 decode step to the next and loads over PCIe only those a row did not hold
-(policies.quest.page_reuse, through `load_pages`). Attention reads the same pages either way. It costs device memory,
-counted when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV
-heads x budget_tokens x head_dim.
+(policies.quest.page_reuse, through `load_pages`). `prefetch=F` (F >= 1) also takes most of
+the loading off the step's critical path: during layer l-1, layer l's query is predicted
+from the residual stream entering layer l-1 (Decoder.early_query), its top F x budget pages
+are selected and load into layer l's page buffers on the engine's prefetch stream, while
+layer l-1 computes; layer l then selects with its own query as always and loads only the
+pages the prediction missed. The prediction decides only what is loaded early, never what
+attention reads, so the tokens are those of plain Quest. Either costs device memory, counted
+when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV heads x
+max(1, F) x budget_tokens x head_dim.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +43,7 @@ from astream.policies.base import (
     DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy,
     check_int,
 )
-from astream.policies.quest.page_reuse import PageReuse, plan_reuse_
+from astream.policies.quest.page_reuse import EARLY, LATE, PageReuse, plan_reuse_
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,6 +55,7 @@ class QuestPolicy(SparsePolicy):
     recent_pages: int = 1
     gqa_reduce: str = "max"
     reuse_pages: bool = False
+    prefetch: float = 0.0            # 0: off; else pages predicted a layer ahead, x the budget
     # Two-level selection above group_above_pages pages (docs/ENGINE.md, Quest): groups of
     # group_pages pages of a block, kept holding group_factor x the budget's pages.
     group_pages: int = 16
@@ -70,6 +78,10 @@ class QuestPolicy(SparsePolicy):
                              f"{self.page_size} tokens)")
         if not isinstance(self.reuse_pages, bool):
             raise ValueError(f"QuestPolicy reuse_pages must be True or False, got {self.reuse_pages!r}")
+        if (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, (int, float))
+                or not (self.prefetch == 0 or 1 <= self.prefetch <= 8)):
+            raise ValueError(f"QuestPolicy prefetch must be 0 (off) or a multiple of the budget "
+                             f"from 1 to 8, got {self.prefetch!r}")
         if self.gqa_reduce not in ops.GQA_REDUCTIONS:
             raise ValueError(f"QuestPolicy gqa_reduce must be one of {ops.GQA_REDUCTIONS}, "
                              f"got {self.gqa_reduce!r}")
@@ -88,8 +100,22 @@ class QuestPolicy(SparsePolicy):
         """Whether blocks of block_size tokens (0: any) hold whole groups of pages."""
         return self.group_pages > 1 and block_size % (self.page_size * self.group_pages) == 0
 
-    def decode_buffer_tokens(self) -> int:
-        return self.budget_tokens if self.reuse_pages else 0
+    @property
+    def buffer_pages(self) -> int:
+        """Pages a decode row's page buffer holds per offloaded layer and KV head (0: none)."""
+        if self.prefetch:
+            return math.ceil(self.prefetch * self.budget_pages)
+        return self.budget_pages if self.reuse_pages else 0
+
+    @property
+    def prefetch_pages(self) -> int:
+        """Pages a predicted query selects a layer ahead (0: no prefetch)."""
+        return self.buffer_pages if self.prefetch else 0
+
+    def decode_buffer_tokens(self, max_context: int | None = None) -> int:
+        if max_context is not None and max_context <= self.budget_tokens:     # never selects
+            return 0
+        return self.buffer_pages * self.page_size
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         dense = min(self.dense_layers, num_layers)
@@ -103,10 +129,10 @@ class QuestPolicy(SparsePolicy):
                   if layer >= self.dense_layers else None for layer in range(layout.num_layers)]
         counters = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
         sparse = frozenset(layer for layer, found in enumerate(bounds) if found is not None)
-        reuse = layout.offload and self.reuse_pages
+        reuse = layout.offload and self.buffer_pages > 0
         traits = PolicyTraits(
             watches_keys=bool(sparse), decode_layers=sparse, select_above=self.budget_tokens,
-            loads_pages=reuse, device_layers=frozenset(
+            loads_pages=reuse, prefetches=reuse and self.prefetch > 0, device_layers=frozenset(
                 self.offload_device_layers(layout.num_layers) if layout.offload else ()))
         grouped = self.keeps_groups(layout.block_size)
         groups = [ops.allocate_page_bounds(layout.num_blocks, layout.block_size, layout.num_kv_heads,
@@ -136,14 +162,18 @@ class QuestRuntime(PolicyRuntime):
                                    self.policy.page_size * self.policy.group_pages)
 
     def select_decode(self, layer: int, query: DecodeQuery) -> PageSelection:
+        return self._select(layer, query, self.policy.budget_pages, self.counters[layer])
+
+    def _select(self, layer: int, query: DecodeQuery, budget_pages: int,
+                counters: Tensor | None) -> PageSelection:
         policy = self.policy
         kmin, kmax = self.bounds[layer]
         max_pages = -(-query.max_context // policy.page_size)
         kw = dict(max_pages=max_pages, block_size=self.layout.block_size,
-                  page_size=policy.page_size, budget_pages=policy.budget_pages,
+                  page_size=policy.page_size, budget_pages=budget_pages,
                   sink_pages=policy.sink_pages, recent_pages=policy.recent_pages,
                   gqa_reduce=policy.gqa_reduce, append_newest=query.append_newest,
-                  physical=query.physical, counters=self.counters[layer])
+                  physical=query.physical, counters=counters)
         if self.groups[layer] is not None and max_pages > policy.group_above_pages:
             chosen = select_decode_pages_grouped(
                 query.q, kmin, kmax, *self.groups[layer], query.block_tables, query.context_lens,
@@ -157,16 +187,25 @@ class QuestRuntime(PolicyRuntime):
                    owners: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         """The chosen pages through the layer's page buffers: only pages a row's slots do not
         hold are read from the host pool (policies.quest.page_reuse)."""
-        rows, kv_heads, width = chosen.physical.shape
+        return self._through_buffers(layer, chosen, pool, owners, LATE)
+
+    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages, owners: Tensor) -> None:
+        """The predicted query's top `prefetch_pages` pages into the layer's page buffers."""
+        chosen = self._select(layer, query, self.policy.prefetch_pages, None)
+        self._through_buffers(layer, chosen, pool, owners, EARLY)
+
+    def _through_buffers(self, layer: int, chosen: PageSelection, pool: HostPages, owners: Tensor,
+                         when: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        rows, kv_heads, _ = chosen.physical.shape
         layout = self.layout
         found = None if self.reuse is None or rows > self.reuse.rows else self.reuse.layer(
-            layer, kv_heads, width, chosen.page_size, layout.head_dim, layout.key_dtype,
-            layout.device)
+            layer, kv_heads, self.policy.buffer_pages, chosen.page_size, layout.head_dim,
+            layout.key_dtype, layout.device)
         if found is None:
             return None
         k, v, held, owner = found
         page_list, load_to = plan_reuse_(held[:rows], owner[:rows], chosen.physical, chosen.counts,
-                                         owners, self.reuse.loaded[layer:layer + 1])
+                                         owners, self.reuse.loaded[layer, when:when + 1])
         pool.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size,
                           into=(k[:rows], v[:rows]), dst_pages=load_to)
         return k[:rows], v[:rows], page_list
@@ -175,7 +214,9 @@ class QuestRuntime(PolicyRuntime):
         """Per layer: pages read per (sequence, KV head) selection, and pages `reuse_pages`
         loaded into the rows' buffers (reads the device counters)."""
         pages, rows = self.counters.cpu().unbind(1)
-        loaded = [0] * len(self.bounds) if self.reuse is None else self.reuse.pages_loaded()
+        early, late = ([[0] * len(self.bounds)] * 2 if self.reuse is None
+                       else self.reuse.pages_loaded())
         return {"quest_pages_read": pages.tolist(), "quest_selections": rows.tolist(),
-                "quest_pages_loaded": loaded}
+                "quest_pages_loaded": [a + b for a, b in zip(early, late)],
+                "quest_pages_loaded_late": late}
 
