@@ -330,18 +330,19 @@ def speed_cases(o):
         resident_cases = offload_cases = parse_cases(o.cases)
     for kv in o.kv_dtypes.split(","):
         kv_base = {**base, "kv_cache_dtype": kv}
-        if "resident" not in o.skip:
+        skip = set(o.skip.split(","))
+        if "resident" not in skip:
             # Page reuse is for offload (it raises without it): resident runs leave it off.
             resident = {**kv_base, "sparse_policy": dataclasses.replace(
                 base["sparse_policy"], reuse_pages=False, prefetch=0)}
             yield from engine_speed_cases(EngineConfig(**resident), "resident", resident_cases,
                                           budgets, o.steps, kernel_sets, "auto")
-        if "offload" not in o.skip:
+        if "offload" not in skip:
             block = 16 if smoke else 256
             pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
             cfg = EngineConfig(**{**kv_base, "offload": True, "num_kv_blocks": pool,
                                   **({"kv_block_size": 16, "offload_slot_tokens": 64} if smoke else {})})
-            offload_budgets = [b for b in budgets if b != FULL or "offload_full" not in o.skip]
+            offload_budgets = [b for b in budgets if b != FULL or "offload_full" not in skip]
             for dense in o.dense_graphs.split(","):
                 yield from engine_speed_cases(cfg, "offload", offload_cases, offload_budgets, o.steps,
                                               kernel_sets, dense, prefetches)
