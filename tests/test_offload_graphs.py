@@ -5,6 +5,8 @@ the same program is captured (benchmarks/gpu_correctness.py and quest_decode.py 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from astream import LLM, SamplingParams
@@ -130,3 +132,34 @@ def test_dense_steps_whose_host_blocks_overflow_a_slot_run_eagerly():
         fits = [graphs._fits_a_slot(DecodeContext(None, None, None, 0, host_blocks=n))
                 for n in (slot_blocks, slot_blocks + 1)]
         assert fits == [True, False]
+
+
+# Greedy rows with penalties, a ban and logprobs: sampled by the tail after the step's graph.
+PROCESSED = [SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.2, logprobs=3, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=12, repetition_penalty=2.0, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=12, min_tokens=12, presence_penalty=2.0, logprobs=0),
+             SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_offloaded_static_steps_sample_processed_rows_in_the_tail(dense):
+    """Quest's one-graph steps and Full's chained steps: the tail samples rows with
+    penalties, min_tokens and logprobs from the step's logits, as the eager offload path does."""
+    def options():
+        return dict(KW) if dense else dict(KW, sparse_policy=quest())
+
+    with LLM(**options()) as llm:
+        want = llm.generate(PROMPTS, PROCESSED)
+        plain = llm.generate(PROMPTS, [replace(p, frequency_penalty=0.0, repetition_penalty=1.0,
+                                               presence_penalty=0.0, min_tokens=0) for p in PROCESSED])
+    # Each processed row's tokens differ from its plain greedy ones.
+    assert all(w.token_ids != p.token_ids for w, p in zip(want[:3], plain[:3]))
+    with LLM(**options()) as llm:
+        graphs = (with_dense_graphs if dense else with_static_graphs)(llm, max_batch=4)
+        got = llm.generate(PROMPTS, PROCESSED)
+        assert graphs.steps >= 10 and graphs.sampler.sampled_inside == graphs.steps
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for g, w in zip(got, want):
+        for a, b in zip(g.logprobs or (), w.logprobs or ()):
+            assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)

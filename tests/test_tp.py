@@ -253,13 +253,15 @@ def _with_graphs(llm: LLM, kind: str):
 @pytest.mark.parametrize("kind", GRAPHED)
 def test_every_rank_replays_rank_0s_graph_in_step(tiny_qwen3, kind):
     """Rank 0 picks the graph and the sampling mode of each decode step and every rank
-    replays it: greedy rows sampled in the graph, rows with logprobs on the host, batches
-    too large for the graphs eagerly, and temperature rows in the graph (each rank draws, rank
-    0's ids count)."""
+    replays it: greedy rows sampled in the graph, rows with logprobs or penalties in rank 0's
+    sampling tail after it, batches too large for the graphs eagerly, temperature rows in the
+    graph (each rank draws, rank 0's ids count), and seeded rows on the host."""
     prompts = PROMPTS + ["hello there"]
     # Batches shrink as rows finish: the rows with logprobs leave before the last steps.
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs)
-              for n, logprobs in ((14, None), (8, 3), (12, None), (6, None), (4, 3))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs,
+                             frequency_penalty=penalty)
+              for n, logprobs, penalty in ((14, None, 0.0), (8, 3, 0.0), (12, None, 1.5), (6, None, 0.0),
+                                           (4, 3, 0.0))]
     options = {**KW, **GRAPHED[kind]}
     with LLM(str(tiny_qwen3), **options) as llm:
         want = llm.generate(prompts, params)
@@ -269,10 +271,14 @@ def test_every_rank_replays_rank_0s_graph_in_step(tiny_qwen3, kind):
         graphs = _with_graphs(llm, kind)
         got = llm.generate(prompts, params)
         inside = graphs.sampler.sampled_inside
-        assert graphs.steps > inside > 0                # some steps sampled on the host
+        assert graphs.steps == inside > 0               # the tail sampled the others
         sampled = llm.generate(prompts[:2], [PLAIN, SamplingParams(temperature=0.8, max_tokens=10,
                                                                    ignore_eos=True)])
         assert graphs.sampler.sampled_inside > inside + 5
+        steps, inside = graphs.steps, graphs.sampler.sampled_inside
+        seeded = llm.generate(prompts[:1], SAMPLED)[0]
+        assert graphs.steps > steps and graphs.sampler.sampled_inside == inside   # on the host
+        assert len(seeded.token_ids) == 10
         stats = llm.stats()
         assert stats["graph_steps"] == graphs.steps
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

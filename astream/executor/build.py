@@ -171,8 +171,9 @@ def release_graphs(graphs: DecodeGraphs | OffloadDecodeGraphs | None, runtime: D
 
 
 def captured(graphs: DecodeGraphs | OffloadDecodeGraphs) -> list:
-    """The CUDA graphs a runner's decode graphs hold, each once: one per (mode, size), or a
-    chained step's chain (shared by its modes) and its sampling graph."""
+    """The CUDA graphs a runner's decode graphs hold, each once: one per (mode, size), a
+    whole step's or a sampling tail's, or a chained step's chain (shared by its modes) and
+    its sampling graph."""
     found: dict[int, object] = {}
     for entry in graphs.graphs.values():
         parts = [*entry.graphs, entry.sampling] if isinstance(entry, ChainedStep) else [entry]

@@ -60,4 +60,10 @@ def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool =
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
         kv_overhead=kv_overhead, device_layers=device_layers, whole_prefix=sparse_prefill and config.offload,
         device_reserve_bytes=device_reserve_bytes,
-        host_ranks=config.ranks_per_node)
+        host_ranks=config.ranks_per_node, graph_sampling_rows=graph_sampling_rows(config))
+
+
+def graph_sampling_rows(config: EngineConfig) -> int:
+    """The rows of the decode graphs' sampling tables (executor.sampling_tail): the largest
+    captured batch, wherever graphs may be captured (on the CPU the plan only informs)."""
+    return 0 if config.enforce_eager else min(config.cuda_graph_max_batch, config.max_num_seqs)

@@ -1,5 +1,6 @@
 """CUDA graphs for decode steps: per captured batch size, one graph per sampling mode
-(executor.graph_sampling), padded to fit; the graph ends with the sampled ids.
+(executor.graph_sampling), padded to fit; the graph ends with the sampled ids, or the
+greedy one with the logits a sampling tail graph then samples (executor.sampling_tail).
 
 Padded rows write their K/V into the cache's scratch slot and attend to zero keys,
 so padding never touches real blocks. Replays read the static input buffers, so a
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from astream.executor.graph_sampling import GraphSampler, capture_sampling_graphs, replay
+from astream.executor.graph_sampling import GraphSampler, Mode, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.offload_plan import OffloadStepPlan
 from astream.executor.paged_attention import PagedAttention
@@ -77,8 +78,9 @@ class DecodeGraphs:
                 and inputs.sample_rows.shape[0] == inputs.num_tokens
                 and attn.decode_block_tables.shape[1] <= self.max_blocks_per_seq)
 
-    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None, mode: str | None,
-            sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan | None, mode: Mode | None,
+            sampling: SamplingBatch | None, previous_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [n, H], the sampled ids [n], or None where the host samples), sampled
         in `mode` (graph_sampling.replay)."""
         n = inputs.num_tokens
@@ -92,7 +94,8 @@ class DecodeGraphs:
         buf["tables"][:n, :width].copy_(attn.decode_block_tables)
         buf["lens"][:n].copy_(attn.decode_context_lens)
         buf["lens"][n:size].zero_()
-        ids = replay(self.graphs, size, n, mode, sampling, self.sampler, self._run_eager, buf["hidden"])
+        ids = replay(self.graphs, size, n, mode, sampling, self.sampler, self._run_eager, buf["hidden"],
+                     previous_ids)
         self.steps += 1
         return buf["hidden"][:n], ids
 

@@ -21,7 +21,8 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from astream.executor.graph_sampling import GraphSampler, capture_sampling, sampling_modes
+from astream.executor.graph_sampling import (GraphSampler, capture_sampling, capture_tails, sampling_modes,
+                                             warm_up_sampling)
 
 T = TypeVar("T")
 
@@ -99,20 +100,19 @@ ChainRun = Callable[[int, "ChainCapture | None"], torch.Tensor]   # (size, captu
 
 def capture_chained_steps(sizes: list[int], run: ChainRun, sampler: GraphSampler, out: torch.Tensor,
                           device: torch.device, between: Callable[[int], object],
-                          after: Callable[[], object]) -> dict[tuple[str, int], ChainedStep]:
+                          after: Callable[[], object]) -> dict[tuple, ChainedStep | torch.cuda.CUDAGraph]:
     """Per size, largest first: `run(size, capture)` captured as one chain (its hidden states
-    into out[:size]), and one sampling graph per mode after it, as
-    `graph_sampling.capture_sampling_graphs` captures a whole step."""
+    into out[:size]), one sampling graph per mode after it, and the sampling tails that
+    follow the greedy step, as `graph_sampling.capture_sampling_graphs` captures a whole step."""
     steps, pool = {}, torch.cuda.graph_pool_handle()
     modes = sampling_modes()
     for size in sorted(sizes, reverse=True):
-        hidden = run(size, None)                          # warm-up (Triton compiles, cuBLAS plans)
-        for mode in modes:
-            sampler.program(hidden, mode)
+        warm_up_sampling(sampler, run(size, None))       # warm-up (Triton compiles, cuBLAS plans)
         with capturing_chain(pool, device) as capture:
             out[:size] = run(size, capture)
         for mode in modes:
             steps[mode, size] = ChainedStep(capture.graphs, capture_sampling(sampler, out[:size], mode, pool),
                                             between, after)
+        steps.update(capture_tails(sampler, size, pool))
     torch.cuda.synchronize(device)
     return steps

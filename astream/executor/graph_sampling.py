@@ -1,13 +1,14 @@
 """The end of a decode step inside its CUDA graph: logits and sampling, into static buffers.
 
-Each captured batch size has one graph per sampling mode:
-- "greedy": every row takes its argmax;
+Each captured batch size has one whole-step graph per plain sampling mode:
+- "greedy": every row takes its argmax; it also leaves the float32 logits in a static table;
 - "temperature": rows sample at their temperature (greedy rows, temperature 0, take the
   argmax), drawing from the engine's generator, which each graph registers so a replay
   advances it as an eager step would.
-A step whose rows need top-k, top-p, a request seed (a generator per row, chosen on the
-host), penalties, min_tokens or logprobs replays the greedy graph for its hidden states
-and samples eagerly from them.
+A step whose rows need top-k, top-p, penalties, min_tokens or logprobs replays the greedy
+graph and then the tail graph of its `Tail` (executor.sampling_tail), which samples from
+that logits table. Only a step with a request seed (a generator per row, chosen on the
+host) replays the greedy graph for its hidden states and samples eagerly from them.
 """
 
 from __future__ import annotations
@@ -17,22 +18,23 @@ from typing import Callable
 
 import torch
 
+from astream.executor.logprobs import StepLogprobs
 from astream.executor.sampler import SamplingBatch, sample
+from astream.executor.sampling_tail import SamplingTables, Tail, tail_mode, tail_modes
 from astream.models.decoder import Decoder
 
 GRAPH_MODES = ("greedy", "temperature")
 RunFn = Callable[[int], torch.Tensor]            # static program of `size` rows -> hidden
+Mode = str | Tail                                # a whole-step graph's, or a tail's after "greedy"
 
 
-def graph_mode(batch: SamplingBatch) -> str | None:
-    """The captured mode that samples this batch exactly as `sample` would, or None."""
-    if not batch.plain:
-        return None
-    if batch.all_greedy:
+def graph_mode(batch: SamplingBatch) -> Mode | None:
+    """The captured mode that samples this batch as `sample` would, or None (the host does)."""
+    if batch.plain and batch.all_greedy:
         return "greedy"
-    if batch.top_k is None and batch.top_p is None and not batch.seeded_rows:
+    if batch.plain and batch.top_k is None and batch.top_p is None and not batch.seeded_rows:
         return "temperature"
-    return None
+    return tail_mode(batch)
 
 
 @dataclass(slots=True)
@@ -41,90 +43,144 @@ class GraphSampler:
     generator: torch.Generator
     temperatures: torch.Tensor           # [B] float32, filled before each replay
     token_ids: torch.Tensor              # [B] int64, written by the graph
+    tables: SamplingTables               # what the tails read, and their logprobs
     sampled_inside: int = 0              # steps whose ids came from the static program
 
     @classmethod
     def allocate(cls, decoder: Decoder, generator: torch.Generator, max_batch: int) -> "GraphSampler":
         device = decoder.device
         return cls(decoder, generator, torch.ones(max_batch, dtype=torch.float32, device=device),
-                   torch.zeros(max_batch, dtype=torch.int64, device=device))
+                   torch.zeros(max_batch, dtype=torch.int64, device=device),
+                   SamplingTables.allocate(max_batch, decoder.config.vocab_size, device))
 
     def program(self, hidden: torch.Tensor, mode: str) -> None:
         """Sample every row of hidden [size, H] into token_ids[:size] (what a graph captures)."""
         size = hidden.shape[0]
-        logits = self.decoder.logits(hidden)
+        # The greedy graph's logits stay in the table a tail reads: written there by the
+        # conversion to float32 every step makes anyway.
+        logits = self.decoder.logits(hidden, self.tables.logits[:size] if mode == "greedy" else None)
         batch = SamplingBatch(temperatures=self.temperatures[:size], top_k=None, top_p=None,
                               all_greedy=mode == "greedy", seeded_rows=[])
         self.token_ids[:size] = sample(logits, batch, self.generator)
 
-    def fill(self, batch: SamplingBatch, n: int, size: int) -> None:
-        """This step's temperatures into rows :n; padding rows sample at temperature 1."""
-        self.temperatures[:n].copy_(batch.temperatures)
-        self.temperatures[n:size].fill_(1.0)
+    def tail(self, size: int, tail: Tail) -> None:
+        """Sample rows :size from the greedy program's logits as `tail` says (a tail graph)."""
+        self.token_ids[:size] = self.tables.program(size, tail, self.temperatures, self.generator)
+
+    def fill(self, batch: SamplingBatch, n: int, size: int, mode: Mode,
+             previous_ids: torch.Tensor | None) -> None:
+        """What `mode` reads of this step's rows :n; padding rows sample at temperature 1."""
+        tail = mode if isinstance(mode, Tail) else None
+        if mode == "temperature" or (tail is not None and tail.draw):
+            self.temperatures[:n].copy_(batch.temperatures)
+            self.temperatures[n:size].fill_(1.0)
+        if tail is not None:
+            self.tables.fill(batch, n, size, tail, previous_ids)
+
+    def logprobs(self, n: int) -> StepLogprobs:
+        """Rows :n of the logprobs of the last step sampled by a tail that computes them."""
+        return self.tables.logprobs(n)
 
 
 def sampling_modes() -> tuple[str, ...]:
-    """The modes a graph can sample in: a torch without graph-safe custom generators
-    captures greedy only, and the host samples the rest."""
-    return GRAPH_MODES if hasattr(torch.cuda.CUDAGraph, "register_generator_state") else ("greedy",)
+    """The modes a whole-step graph can sample in: a torch without graph-safe custom
+    generators captures greedy only, and the host samples the rest."""
+    return GRAPH_MODES if _draws() else ("greedy",)
+
+
+def _draws() -> bool:
+    return hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+
+def warm_up_sampling(sampler: GraphSampler, hidden: torch.Tensor) -> None:
+    """Run every sampling program of `hidden`'s size once before capture (the greedy one
+    first: the tails read its logits)."""
+    size = hidden.shape[0]
+    for mode in sampling_modes():
+        sampler.program(hidden, mode)
+    for tail in tail_modes(_draws()):
+        sampler.tail(size, tail)
 
 
 def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str,
                      pool: tuple) -> torch.cuda.CUDAGraph:
     """A graph of `sampler.program(hidden, mode)` alone."""
-    graph = _new_graph(sampler, mode)
+    graph = _new_graph(sampler, mode != "greedy")
     with torch.cuda.graph(graph, pool=pool):
         sampler.program(hidden, mode)
     return graph
 
 
-def _new_graph(sampler: GraphSampler, mode: str) -> torch.cuda.CUDAGraph:
-    """A graph whose replays advance the sampler's generator where the mode draws from it."""
+def capture_tails(sampler: GraphSampler, size: int, pool: tuple) -> dict[tuple[Tail, int], torch.cuda.CUDAGraph]:
+    """One graph of `sampler.tail(size, tail)` per tail, after the greedy graph of `size`."""
+    graphs = {}
+    for tail in tail_modes(_draws()):
+        graph = _new_graph(sampler, tail.draw)
+        with torch.cuda.graph(graph, pool=pool):
+            sampler.tail(size, tail)
+        graphs[tail, size] = graph
+    return graphs
+
+
+def _new_graph(sampler: GraphSampler, draws: bool) -> torch.cuda.CUDAGraph:
+    """A graph whose replays advance the sampler's generator where it draws from it."""
     graph = torch.cuda.CUDAGraph()
-    if mode != "greedy":
+    if draws:
         graph.register_generator_state(sampler.generator)
     return graph
 
 
 def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler, out: torch.Tensor,
-                            device: torch.device) -> dict[tuple[str, int], torch.cuda.CUDAGraph]:
-    """One graph per (mode, size), largest first, sharing one memory pool: each replay runs
-    `run(size)` over the static buffers, leaves its hidden states in out[:size] and its
-    sampled ids in sampler.token_ids[:size]."""
+                            device: torch.device) -> dict[tuple[Mode, int], torch.cuda.CUDAGraph]:
+    """One whole-step graph per (mode, size), largest first, and the tails of each size,
+    sharing one memory pool: a whole-step replay runs `run(size)` over the static buffers,
+    leaves its hidden states in out[:size] and its sampled ids in sampler.token_ids[:size];
+    a tail's, its ids there from the greedy replay's logits."""
     modes = sampling_modes()
     graphs, pool = {}, torch.cuda.graph_pool_handle()
     for size in sorted(sizes, reverse=True):
-        hidden = run(size)                               # warm-up (Triton compiles, cuBLAS plans)
-        for mode in modes:
-            sampler.program(hidden, mode)
+        warm_up_sampling(sampler, run(size))             # warm-up (Triton compiles, cuBLAS plans)
         torch.cuda.synchronize(device)
         for mode in modes:
-            graph = _new_graph(sampler, mode)
+            graph = _new_graph(sampler, mode != "greedy")
             with torch.cuda.graph(graph, pool=pool):
                 out[:size] = run(size)
                 sampler.program(out[:size], mode)
             graphs[mode, size] = graph
+        graphs.update(capture_tails(sampler, size, pool))
     torch.cuda.synchronize(device)
     return graphs
 
 
-def replay(graphs: dict, size: int, n: int, mode: str | None, batch: SamplingBatch | None,
-           sampler: GraphSampler, run: RunFn, out: torch.Tensor) -> torch.Tensor | None:
+def replay(graphs: dict, size: int, n: int, mode: Mode | None, batch: SamplingBatch | None,
+           sampler: GraphSampler, run: RunFn, out: torch.Tensor,
+           previous_ids: torch.Tensor | None = None) -> torch.Tensor | None:
     """Replay the step padded to `size` rows (where nothing was captured, run its program
-    eagerly: CPU, tests), sampling in `mode` (`graph_mode` of the step's batch). Returns the
-    n rows' sampled ids, or None where the host samples from out[:n]. `batch` None: a
-    tensor-parallel follower, whose ids rank 0's replace, so its temperatures stay as they are."""
+    eagerly: CPU, tests), sampling in `mode` (`graph_mode` of the step's batch): a tail mode
+    replays the greedy graph, then the tail's. Returns the n rows' sampled ids, or None where
+    the host samples from out[:n]. `previous_ids`: the previous step's ids, for penalized
+    rows' newest tokens. `batch` None: a tensor-parallel follower, whose ids rank 0's
+    replace, so its tables stay as they are and it runs no tail (the greedy graph holds the
+    logits' gather, which every rank must join; a tail holds no collective)."""
     if graphs and (mode, size) not in graphs:
         mode = None                                      # not captured: the host samples
-    if mode == "temperature" and batch is not None:      # the only program that reads them
-        sampler.fill(batch, n, size)
-    graph = graphs.get((mode or "greedy", size))
+    tail = mode if isinstance(mode, Tail) else None
+    base = "greedy" if mode is None or tail is not None else mode
+    if mode is not None and batch is not None:
+        sampler.fill(batch, n, size, mode, previous_ids)
+    graph = graphs.get((base, size))
     if graph is not None:
         graph.replay()
     else:
         out[:size] = run(size)
         if mode is not None:
-            sampler.program(out[:size], mode)
+            sampler.program(out[:size], base)
+    if tail is not None and batch is not None:
+        tail_graph = graphs.get((tail, size))
+        if tail_graph is not None:
+            tail_graph.replay()
+        else:
+            sampler.tail(size, tail)
     if mode is None:
         return None
     sampler.sampled_inside += 1

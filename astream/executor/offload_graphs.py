@@ -32,7 +32,7 @@ import torch
 
 from astream.executor.cuda_graphs import capture_sizes, padded_size
 from astream.executor.graph_chain import ChainCapture, capture_chained_steps
-from astream.executor.graph_sampling import GraphSampler, capture_sampling_graphs, replay
+from astream.executor.graph_sampling import GraphSampler, Mode, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
 from astream.executor.offload_attention import OffloadAttention
 from astream.executor.offload_plan import DecodeContext, JobTemplate, OffloadStepPlan
@@ -136,8 +136,9 @@ class OffloadDecodeGraphs:
         blocks = context.host_blocks if context is not None else 0
         return blocks <= self.engine.slot_blocks
 
-    def run(self, inputs: StepInputs, plan: OffloadStepPlan, mode: str | None,
-            sampling: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, inputs: StepInputs, plan: OffloadStepPlan, mode: Mode | None,
+            sampling: SamplingBatch | None, previous_ids: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [n, H], the sampled ids [n], or None where the host samples), sampled
         in `mode` (graph_sampling.replay)."""
         n = inputs.num_tokens
@@ -150,7 +151,7 @@ class OffloadDecodeGraphs:
             self.copy_runs = plan.jobs[0].runs if plan.jobs else []
             self.ring = CopyRing(self.engine, self.sparse_layers, self.copy_runs)
         ids = replay(self.graphs, size, n, mode, sampling, self.sampler, self._run_eager,
-                     self.buffers["hidden"])
+                     self.buffers["hidden"], previous_ids)
         self.engine.send_tails(self.sparse_layers, plan.new_kv.tails_to_host)
         self.steps += 1
         return self.buffers["hidden"][:n], ids

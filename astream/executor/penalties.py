@@ -22,13 +22,23 @@ from astream.executor.host_pack import HostPack
 @dataclass(slots=True)
 class Penalties:
     rows: torch.Tensor                  # [P] int64: the batch rows with a penalty
-    presence: torch.Tensor              # [P] float32
-    frequency: torch.Tensor             # [P] float32
-    repetition: torch.Tensor            # [P] float32 (1: off)
+    values: torch.Tensor                # [3, P] float32: presence, frequency, repetition (1: off)
     generated: torch.Tensor             # [2, N] int64: (penalty row, token id) per known output token
     prompt: torch.Tensor | None         # [2, M] int64: (penalty row, token id) per prompt token
     pending_rows: torch.Tensor | None   # [Q] int64: penalty rows whose newest token is on the device
     pending_src: torch.Tensor | None    # [Q] int64: its row in the previous step's sampled ids
+
+    @property
+    def presence(self) -> torch.Tensor:
+        return self.values[0]
+
+    @property
+    def frequency(self) -> torch.Tensor:
+        return self.values[1]
+
+    @property
+    def repetition(self) -> torch.Tensor:
+        return self.values[2]
 
 
 @dataclass(slots=True)
@@ -76,8 +86,7 @@ def build_processing(rows: list[Sequence], vocab_size: int, device: torch.device
     get = {name: sent[index] for name, index in parts.items()}.get
     penalties = None
     if pen_rows:
-        presence, frequency, repetition = floats.send(device)[0]
-        penalties = Penalties(get("rows"), presence, frequency, repetition, get("generated"),
+        penalties = Penalties(get("rows"), floats.send(device)[0], get("generated"),
                               get("prompt"), get("pending_rows"), get("pending_src"))
     return LogitsProcessing(penalties, get("banned"))
 
@@ -111,11 +120,19 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, previous_ids: torch.Te
     if pen.prompt is not None:
         repeated = seen.index_put((pen.prompt[0], pen.prompt[1]),
                                   torch.ones((), dtype=torch.bool, device=logits.device))
-    rows = logits.index_select(0, pen.rows)
-    rep = pen.repetition.unsqueeze(1)
-    rows = torch.where(repeated, torch.where(rows > 0, rows / rep, rows * rep), rows)
-    rows = rows - pen.frequency.unsqueeze(1) * counts - pen.presence.unsqueeze(1) * seen.to(rows.dtype)
+    rows = penalize(logits.index_select(0, pen.rows), counts, seen, repeated, pen.values)
     return logits.index_copy(0, pen.rows, rows)
+
+
+def penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, repeated: torch.Tensor,
+             values: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] with each row's penalties (`values` [3, R]: presence, frequency,
+    repetition) applied: `counts` [R, V] of output tokens, `seen` its tokens, `repeated` its
+    tokens and, for a repetition penalty, the prompt's. Presence 0, frequency 0 and
+    repetition 1 leave a row exactly as it was."""
+    presence, frequency, repetition = (v.unsqueeze(1) for v in values)
+    logits = torch.where(repeated, torch.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * seen.to(logits.dtype)
 
 
 def _pairs(row: int, token_ids: list[int]) -> np.ndarray:

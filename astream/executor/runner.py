@@ -19,7 +19,7 @@ from astream.core.scheduler import ScheduledBatch
 from astream.core.sequence import Sequence
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.decode_tables import DecodeTables
-from astream.executor.graph_sampling import graph_mode
+from astream.executor.graph_sampling import Mode, graph_mode
 from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, plan_offloaded_step, whole_prefill_loads
@@ -59,7 +59,7 @@ class HostStep:
     inputs: HostInputs
     offload: HostOffloadPlan | None = None
     graphed: bool = False
-    sampling_mode: str | None = None       # graph_sampling.graph_mode of rank 0's batch
+    sampling_mode: Mode | None = None      # graph_sampling.graph_mode of rank 0's batch
 
 
 @dataclass(slots=True)
@@ -151,8 +151,8 @@ class ModelRunner:
             return stop.value
 
     def program(self, step: PreparedStep, previous: StepOutput | None) -> StepProgram:
-        """Enqueue the forward pass, the sampler (inside a decode step's graph where it can be)
-        and the readback of the sampled ids. With tensor-parallel followers, the step goes to
+        """Enqueue the forward pass, the sampler (inside a decode step's graphs unless a row
+        has a seed) and the readback of the sampled ids and logprobs. With tensor-parallel followers, the step goes to
         them first; once it has, a failure leaves the ranks out of step, so it is fatal."""
         if step.inputs.pending_dst is not None and previous is None:
             raise RuntimeError("a batch with pending tokens needs the previous step's output")
@@ -173,8 +173,8 @@ class ModelRunner:
 
         Where rank 0 replays a decode graph, so does this rank, the same one: its sampler
         included, since the graphs of every rank must hold the same collectives (the logits'
-        gather) in the same order. The ids it samples are dropped for rank 0's, so the
-        ranks' generators need not agree."""
+        gather) in the same order; a sampling tail, which holds none, only rank 0 replays.
+        The ids it samples are dropped for rank 0's, so the ranks' generators need not agree."""
         device = self.runtime.device
         inputs = step.inputs.send(device)
         if inputs.pending_dst is not None:
@@ -200,24 +200,27 @@ class ModelRunner:
         inputs = step.inputs
         if inputs.pending_dst is not None:
             inputs.input_ids.index_copy_(0, inputs.pending_dst, previous.token_ids[inputs.pending_src])
-        token_ids = None
+        token_ids = found = None
+        previous_ids = None if previous is None else previous.token_ids
         if step.graphed:
             hidden, token_ids = self.graphs.run(inputs, step.offload_plan, graph_mode(step.sampling),
-                                                step.sampling)
+                                                step.sampling, previous_ids)
+            if token_ids is not None and step.sampling.num_logprobs is not None:
+                found = self.graphs.sampler.logprobs(inputs.num_tokens)   # its tail computed them
         elif step.offload_plan is not None:
             hidden = yield from self._offloaded_forward(inputs, step.offload_plan)
         else:
             hidden = yield from self._forward(inputs)
-        logprobs = None
         if token_ids is None:
             logits = self.decoder.logits(hidden.index_select(0, inputs.sample_rows))
-            token_ids = sample(logits, step.sampling, self.generator,
-                               None if previous is None else previous.token_ids)
+            token_ids = sample(logits, step.sampling, self.generator, previous_ids)
             if step.sampling.num_logprobs is not None:
                 found = compute_logprobs(logits, token_ids, step.sampling.num_logprobs)
-                # Queued before the ids' copy: the event that marks the ids marks these too.
-                logprobs = StepLogprobs(*(self.runtime.copy_to_host(t) for t in
-                                          (found.chosen, found.top_values, found.top_ids)))
+        logprobs = None
+        if found is not None:
+            # Queued before the ids' copy: the event that marks the ids marks these too.
+            logprobs = StepLogprobs(*(self.runtime.copy_to_host(t) for t in
+                                      (found.chosen, found.top_values, found.top_ids)))
         if self.decoder.tp is not None:
             self.decoder.tp.broadcast(token_ids)
         host_ids, ready = self.runtime.to_host(token_ids)

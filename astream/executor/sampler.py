@@ -74,21 +74,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     sampled ids, where penalized rows' newest tokens are still only on the device."""
     if batch.processing is not None:
         logits = process_logits(logits, batch.processing, previous_ids)
+    return choose(logits, batch.temperatures, batch.top_k, batch.top_p, batch.all_greedy,
+                  batch.seeded_rows, generator)
+
+
+def choose(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
+           top_p: torch.Tensor | None, all_greedy: bool, seeded_rows: list[tuple[int, int]],
+           generator: torch.Generator) -> torch.Tensor:
+    """Processed logits [S, V] -> token ids [S]: the argmax of greedy rows (temperature 0),
+    a draw at its temperature, after top-k and top-p, for each other row. A row whose top_k
+    is the vocabulary size, or whose top_p is 1, is not cut."""
     greedy_ids = logits.argmax(dim=-1)
-    if batch.all_greedy:
+    if all_greedy:
         return greedy_ids
-    temps = batch.temperatures
+    temps = temperatures
     scaled = logits / torch.where(temps > 0, temps, torch.ones_like(temps)).unsqueeze(1)
-    if batch.top_k is not None or batch.top_p is not None:
-        scaled = _mask_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    if top_k is not None or top_p is not None:
+        scaled = mask_top_k_top_p(scaled, top_k, top_p)
     probs = torch.softmax(scaled, dim=-1)
-    noise = _exponential_noise(probs, batch.seeded_rows, generator)
+    noise = _exponential_noise(probs, seeded_rows, generator)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(temps > 0, sampled, greedy_ids)
 
 
-def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
+def mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                     top_p: torch.Tensor | None) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -98,7 +108,9 @@ def _mask_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_p is not None:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p.unsqueeze(1)     # the top token always survives
+        # The top token always survives; a row at top_p 1 keeps its whole tail, which the
+        # rounding of the cumulative sum could otherwise reach.
+        drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -22,6 +22,13 @@ from astream.ops.backends import CUDNN_SHAPE_STEP
 _MiB, _GiB = 2**20, 2**30
 _SLOT_TOKENS = 65536
 HOST_RESERVE = 8 * _GiB        # host memory an explicit max_model_len's pool leaves at least
+# The decode graphs' sampling, per captured row and vocabulary entry (executor.sampling_tail):
+# its static tables (the step's float32 logits and output-token counts, its bool prompt and
+# banned-token masks), and what its captured programs keep in the graphs' pool beyond the
+# activation reserve's logits (sorted logits and their order, the processed, scaled and
+# filtered logits, probabilities and their cumulative mass).
+SAMPLING_TABLE_BYTES = 4 + 4 + 1 + 1
+SAMPLING_WORKSPACE_BYTES = 24
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +51,7 @@ class CacheSpec:
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
     host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
+    graph_sampling_rows: int = 0    # rows the decode graphs sample (0: no graphs)
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,7 +78,7 @@ class MemoryAvailable:
 
 # MemoryPlan's device fields, in the order the start-up line shows them; the device total is their sum.
 DEVICE_PARTS = ("weights", "device_kv", "ring", "staging", "tails", "policy_metadata",
-                "decode_buffers", "prefix_buffers", "prefill_context", "activations")
+                "decode_buffers", "prefix_buffers", "prefill_context", "graph_sampling", "activations")
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,7 +90,8 @@ class MemoryPlan:
     buffers (ring, staging, tails), the policy's metadata (Quest's page and group bounds),
     its decode buffers, packed prefixes (sparse prefill with offload), the largest context
     a prefill step dequantizes at once (with offload: a ring slot, or a device layer's whole
-    context, in the model's dtype), and the reserve for one step's activations.
+    context, in the model's dtype), the decode graphs' sampling tables and workspace, and the
+    reserve for one step's activations.
     """
 
     host_pool: int = 0
@@ -95,6 +104,7 @@ class MemoryPlan:
     decode_buffers: int = 0
     prefix_buffers: int = 0
     prefill_context: int = 0
+    graph_sampling: int = 0
     activations: int = 0
 
     @property
@@ -156,6 +166,7 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
     layer_block_bytes = block_bytes // model.num_layers
     common = dict(weights=weight_bytes(model, dtype),
                   policy_metadata=int(blocks * block_bytes * cfg.kv_overhead),
+                  graph_sampling=graph_sampling_bytes(cfg.graph_sampling_rows, model.vocab_size),
                   activations=_activation_bytes(model, budget, cfg.max_num_seqs, dtype))
     if offload is None:
         return MemoryPlan(device_kv=blocks * block_bytes, **common)
@@ -172,6 +183,11 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
         tails=model.num_layers * (cfg.max_num_seqs + 1) * layer_block_bytes,
         decode_buffers=cfg.device_reserve_bytes, prefix_buffers=prefix, prefill_context=context,
         **common)
+
+
+def graph_sampling_bytes(rows: int, vocab_size: int) -> int:
+    """Device bytes of the decode graphs' sampling over `rows` rows: tables and workspace."""
+    return rows * vocab_size * (SAMPLING_TABLE_BYTES + SAMPLING_WORKSPACE_BYTES)
 
 
 def _device_layer_context(cfg: CacheSpec, max_len: int, layer_block_bytes: int, packed: int) -> int:
@@ -304,7 +320,8 @@ def _free_device_bytes(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
                        memory: MemoryAvailable | None = None) -> int:
     free, total = ((memory.device_free, memory.device_total) if memory is not None
                    else torch.cuda.mem_get_info(device))
-    reserve = _activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)
+    reserve = (_activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)
+               + graph_sampling_bytes(cfg.graph_sampling_rows, model.vocab_size))
     return int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
 
 

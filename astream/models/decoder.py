@@ -137,10 +137,13 @@ class Decoder:
         return self.kernels.add_rms_norm(stream.hidden, stream.pending, self.weights.norm,
                                          self.config.rms_norm_eps)[0]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits for the given (already normed) hidden rows; under tensor
-        parallelism every rank takes part and every rank gets the whole vocabulary."""
-        logits = F.linear(hidden, self.weights.lm_head).float()
-        if self.tp is None:
-            return logits
-        return self.tp.gather_vocab(logits, self.config.vocab_size)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits for the given (already normed) hidden rows, into `out` if given (the
+        same one conversion to float32, written there); under tensor parallelism every rank
+        takes part and every rank gets the whole vocabulary."""
+        logits = F.linear(hidden, self.weights.lm_head)
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits.float(), self.config.vocab_size)
+        if out is not None:
+            return out.copy_(logits)
+        return logits.float()
