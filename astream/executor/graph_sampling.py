@@ -69,10 +69,12 @@ def sampling_modes() -> tuple[str, ...]:
     return GRAPH_MODES if hasattr(torch.cuda.CUDAGraph, "register_generator_state") else ("greedy",)
 
 
-def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str,
-                     pool: tuple) -> torch.cuda.CUDAGraph:
-    """A graph of `sampler.program(hidden, mode)` alone."""
+def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str, pool: tuple,
+                     begun: list | None = None) -> torch.cuda.CUDAGraph:
+    """A graph of `sampler.program(hidden, mode)` alone (added to `begun` before its capture)."""
     graph = _new_graph(sampler, mode)
+    if begun is not None:
+        begun.append(graph)
     with torch.cuda.graph(graph, pool=pool):
         sampler.program(hidden, mode)
     return graph
@@ -90,22 +92,40 @@ def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler,
                             device: torch.device) -> dict[tuple[str, int], torch.cuda.CUDAGraph]:
     """One graph per (mode, size), largest first, sharing one memory pool: each replay runs
     `run(size)` over the static buffers, leaves its hidden states in out[:size] and its
-    sampled ids in sampler.token_ids[:size]."""
+    sampled ids in sampler.token_ids[:size]. Where a capture fails, every graph begun is
+    destroyed (`discard`) before the error goes on."""
     modes = sampling_modes()
-    graphs, pool = {}, torch.cuda.graph_pool_handle()
-    for size in sorted(sizes, reverse=True):
-        hidden = run(size)                               # warm-up (Triton compiles, cuBLAS plans)
-        for mode in modes:
-            sampler.program(hidden, mode)
+    graphs, pool, begun = {}, torch.cuda.graph_pool_handle(), []
+    try:
+        for size in sorted(sizes, reverse=True):
+            hidden = run(size)                           # warm-up (Triton compiles, cuBLAS plans)
+            for mode in modes:
+                sampler.program(hidden, mode)
+            torch.cuda.synchronize(device)
+            for mode in modes:
+                graph = _new_graph(sampler, mode)
+                begun.append(graph)
+                with torch.cuda.graph(graph, pool=pool):
+                    out[:size] = run(size)
+                    sampler.program(out[:size], mode)
+                graphs[mode, size] = graph
         torch.cuda.synchronize(device)
-        for mode in modes:
-            graph = _new_graph(sampler, mode)
-            with torch.cuda.graph(graph, pool=pool):
-                out[:size] = run(size)
-                sampler.program(out[:size], mode)
-            graphs[mode, size] = graph
-    torch.cuda.synchronize(device)
+    except BaseException:
+        discard(begun)
+        raise
     return graphs
+
+
+def discard(graphs) -> None:
+    """Destroy each CUDA graph of `graphs` now, with its share of the memory pool: the error
+    of a failed capture holds them (its traceback, their frames) for as long as it lives,
+    and under tensor parallelism NCCL frees a communicator only once every graph holding its
+    collectives is gone. A graph whose capture broke off is destroyed as far as it got."""
+    for graph in graphs:
+        try:
+            graph.reset()
+        except RuntimeError:
+            pass
 
 
 def replay(graphs: dict, size: int, n: int, mode: str | None, batch: SamplingBatch | None,
