@@ -3,6 +3,8 @@ check that decode steps from CUDA graphs give every rank's tokens.
 
     python benchmarks/run.py tensor_parallel [--sections decode,throughput,offload,quest] [--tp 1,2]
     python benchmarks/run.py tensor_parallel --sections check    # two GPUs: graphs' tokens
+    python benchmarks/run.py tensor_parallel --sections faults   # two GPUs: a rank's death,
+                                                                 # a failed capture, a clean close
     python benchmarks/run.py tensor_parallel --smoke        # CPU over gloo, tiny shape and contexts
 
 The Qwen3-8B shape (36 layers, hidden 4096, 32 query and 8 KV heads of 128, MLP 12288,
@@ -44,6 +46,12 @@ split's own gain, without the graphs').
   ran from the graphs, or where TP=2's temperature rows (sampled inside the graphs) do not
   finish. With --smoke, on the CPU, the graphs' static programs run eagerly on every rank.
 
+- `faults` (only when named in --sections): benchmarks/tp_faults.py's scenarios, each in a
+  process of its own: a clean close without NCCL's watchdog trace, a rank killed during the
+  decode graphs' capture and during decode (the engine names it within a minute, not after
+  NCCL's 300 s), and a failed capture that releases the graphs it had captured. Each row's
+  info holds the scenario's figures and the alarming lines of its stderr.
+
 After the rows, a table of each figure's median per TP size and the ratio of the largest
 TP to the smallest, against the goals: offloaded Full decode at <= 0.55x, Quest offload at
 <= 0.6x, throughput >= 1.7x.
@@ -60,6 +68,7 @@ import torch
 from common import engine_core, random_workload, shaped_model, smollm2  # noqa: I001
 from quest import decode_steps, ms, pipelined_steps
 from throughput import astream_run
+from tp_faults import fault_cases
 from astream import LLM, SamplingParams
 from astream.base.config import EngineConfig
 from astream.core.engine_core import EngineCore
@@ -110,13 +119,17 @@ def cases(options) -> Iterator[tuple[dict, object]]:
             setattr(options, key, value)
     options.shape = options.shape or ("tiny" if options.smoke else "qwen3-8b")
     sections = [s for s in options.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS) - {"check"}
+    unknown = set(sections) - set(SECTIONS) - {"check", "faults"}
     if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from check, {', '.join(SECTIONS)}")
+        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from check, faults, "
+                         f"{', '.join(SECTIONS)}")
     sizes = [int(t) for t in options.tp.split(",")]
     for section in sections:
         if section == "check":
             yield from check_cases(options)
+            continue
+        if section == "faults":
+            yield from fault_cases(options)
             continue
         for tp in sizes:
             yield from SECTION_CASES[section](options, tp)
@@ -380,7 +393,7 @@ def summarize(result: dict) -> None:
     table: dict[tuple[str, str], dict[int, dict]] = {}
     for row in result["rows"]:
         p = row["params"]
-        if p["section"] == "check":
+        if p["section"] in ("check", "faults"):
             continue
         table.setdefault((p["section"], case_name(p)), {})[p["tp"]] = row["figures"]
     sizes = sorted({tp for by_tp in table.values() for tp in by_tp})

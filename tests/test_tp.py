@@ -1,13 +1,20 @@
 """Tensor parallelism on the CPU over gloo: shards give the whole model's logits and tokens,
 the async engine returns every block, bad sizes are refused, a lost rank stops the engine
-without leaving a process behind, and the ranks leave the group together with their graphs
-released (by abort, as over NCCL, where a test forces it)."""
+without leaving a process behind (also while rank 0 waits in a collective only an abort
+ends, as over NCCL), a failed capture releases its graphs, a release waits for the device a
+bounded time, and the ranks leave the group together with their graphs released (shut down
+when clean, aborted otherwise, as over NCCL, where a test forces it)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import multiprocessing
 import os
+import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,8 +31,13 @@ import torch.distributed as dist
 
 from astream import LLM, Engine, SamplingParams
 from astream.base.config import EngineConfig
+from astream.base.errors import TensorParallelError
+from astream.core import engine_core
+from astream.core.engine_core import EngineCore
+from astream.executor import build
 from astream.executor.build import graph_spec, release_graphs
-from astream.executor.graph_chain import ChainedStep
+from astream.executor.graph_chain import ChainedStep, capture_chained_steps
+from astream.executor.graph_sampling import capture_sampling_graphs
 from astream.face.cli import parse_command
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
@@ -33,6 +45,8 @@ from astream.ops.attention import varlen_attention
 from astream.ops.varlen import VarlenMeta
 from astream.parallel import group, workers
 from astream.parallel.group import free_port, init_group, join_group, leave_group, teardown
+from astream.parallel.worker import Stop
+from astream.runtime.device import DeviceRuntime
 
 CPU = torch.device("cpu")
 KW = dict(device="cpu", dtype="float32", num_kv_blocks=96, kv_block_size=16, max_model_len=512,
@@ -297,9 +311,10 @@ def test_the_cpu_captures_nothing_and_no_spec_sends_nothing(tiny_qwen3):
 
 # ---- leaving the group -------------------------------------------------------------------------
 
-def test_nccl_groups_are_aborted_and_gloo_groups_destroyed():
-    assert teardown("nccl") == "abort"
-    assert teardown("gloo") == "destroy"
+def test_nccl_groups_shut_down_when_clean_else_abort_and_gloo_groups_are_destroyed():
+    assert teardown("nccl", clean=True) == "shutdown"
+    assert teardown("nccl", clean=False) == "abort"
+    assert teardown("gloo", clean=True) == teardown("gloo", clean=False) == "destroy"
 
 
 class _Graph:
@@ -313,8 +328,8 @@ class _Graph:
 class _Runtime:
     is_cuda = True
 
-    def synchronize(self) -> None:
-        pass
+    def drain(self, timeout_s: float) -> bool:
+        return True
 
 
 def test_release_resets_every_captured_graph_once():
@@ -335,9 +350,94 @@ def test_release_resets_every_captured_graph_once():
     assert len(resets) == 6
 
 
+def test_a_release_waits_for_the_device_a_bounded_time(monkeypatch, caplog):
+    """A device that never goes idle (a collective waiting on a rank that is gone): the
+    graphs are destroyed all the same, after RELEASE_DRAIN_S, with a warning that says so."""
+    never = threading.Event()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: never.wait(10))
+    monkeypatch.setattr(build, "RELEASE_DRAIN_S", 0.3, raising=False)
+    resets = []
+    graphs = SimpleNamespace(graphs={("greedy", 1): _Graph(resets), ("greedy", 2): _Graph(resets)})
+    start = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="astream"):
+            release_graphs(graphs, DeviceRuntime(torch.device("cuda")))
+    finally:
+        never.set()
+    assert time.monotonic() - start < 3 and len(resets) == 2
+    assert "did not go idle within 0 s" in caplog.text
+
+
+class _CapturedGraph:
+    """Stands in for torch.cuda.CUDAGraph in a capture on the CPU: counts its resets."""
+
+    made: list = []
+
+    def __init__(self) -> None:
+        self.resets = 0
+        _CapturedGraph.made.append(self)
+
+    def register_generator_state(self, generator) -> None:
+        pass
+
+    def capture_begin(self, pool=None) -> None:
+        pass
+
+    def capture_end(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+@contextlib.contextmanager
+def _capturing(graph, pool=None):
+    graph.capture_begin(pool)
+    try:
+        yield
+    finally:
+        graph.capture_end()
+
+
+def _fake_cuda_capture(monkeypatch) -> None:
+    _CapturedGraph.made = []
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    for name, value in (("CUDAGraph", _CapturedGraph), ("graph", _capturing),
+                        ("graph_pool_handle", lambda: ("pool",)), ("synchronize", lambda device=None: None),
+                        ("Stream", lambda device=None: stream), ("current_stream", lambda device=None: stream),
+                        ("stream", lambda s: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, value)
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["one_graph_a_step", "chain"])
+def test_a_failed_capture_destroys_the_graphs_it_had_captured(monkeypatch, chained):
+    """Sizes are captured largest first: where size 2 fails (here inside its capture), the
+    graphs of size 4 and the one begun for size 2 are destroyed before the error goes on (it
+    would hold them, and their memory pool, for as long as it lives)."""
+    _fake_cuda_capture(monkeypatch)
+    sampler = SimpleNamespace(program=lambda hidden, mode: None, generator=None)
+
+    def run(size: int, capture=None) -> torch.Tensor:
+        if capture is not None:
+            capture.cut(lambda: None)                 # a chain of two graphs
+        if size == 2 and (capture is not None or chained is False and len(_CapturedGraph.made) > 2):
+            raise RuntimeError("capture failed: out of memory")
+        return torch.zeros(size, 4)
+
+    out = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        if chained:
+            capture_chained_steps([1, 2, 4], run, sampler, out, CPU, between=lambda i: None,
+                                  after=lambda: None)
+        else:
+            capture_sampling_graphs([1, 2, 4], lambda size: run(size), sampler, out, CPU)
+    assert len(_CapturedGraph.made) >= 3
+    assert [graph.resets for graph in _CapturedGraph.made] == [1] * len(_CapturedGraph.made)
+
+
 @pytest.fixture
 def one_rank_group():
-    init_group(0, 1, free_port(), CPU)
+    init_group(0, 1, 0, CPU)                 # rank 0's store binds a port the OS picks
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -357,13 +457,13 @@ def test_an_aborted_group_releases_the_graphs_and_frees_the_process(one_rank_gro
     graphs are released, and the process can join another group afterwards."""
     events = []
     abort = group.abort_group
-    monkeypatch.setattr(group, "teardown", lambda backend: "abort")
+    monkeypatch.setattr(group, "teardown", lambda backend, clean: "abort")
     monkeypatch.setattr(group, "abort_group", lambda: (events.append("abort"), abort()))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: events.append("destroy"))
     assert leave_group(lambda: events.append("release"))
     assert sorted(events) == ["abort", "release"] and not dist.is_initialized()
     monkeypatch.undo()
-    init_group(0, 1, free_port(), CPU)
+    init_group(0, 1, 0, CPU)
     assert dist.get_world_size() == 1
 
 
@@ -371,7 +471,7 @@ def test_an_abort_that_does_not_end_is_waited_for_a_bounded_time(one_rank_group,
     """NCCL's abort waits for graphs it still sees alive and for ranks yet to leave: the rank
     goes on after `wait_s`, its graphs released."""
     stuck, released = threading.Event(), []
-    monkeypatch.setattr(group, "teardown", lambda backend: "abort")
+    monkeypatch.setattr(group, "teardown", lambda backend, clean: "abort")
     monkeypatch.setattr(group, "abort_group", lambda: stuck.wait(30))
     start = time.monotonic()
     try:
@@ -388,12 +488,12 @@ def test_closing_releases_the_graphs_rank_0_installed_even_when_detached(tiny_qw
     the process can start another engine afterwards."""
     released, leaving = [], []
     monkeypatch.setattr(workers, "release_graphs", lambda graphs, runtime: released.append(graphs))
-    monkeypatch.setattr(group, "teardown", lambda backend: "abort")
+    monkeypatch.setattr(group, "teardown", lambda backend, clean: "abort")
     leave = workers.leave_group
 
-    def leave_group(release):
+    def leave_group(release, clean=False):
         leaving.append([process.is_alive() for process in llm.core.workers.processes])
-        return leave(release)
+        return leave(release, clean=clean)
 
     monkeypatch.setattr(workers, "leave_group", leave_group)
     with LLM(str(tiny_qwen3), tensor_parallel_size=2, **KW, cuda_graph_max_batch=4) as llm:
@@ -491,6 +591,116 @@ async def test_a_killed_rank_ends_the_engine_and_every_request_and_leaves_no_pro
     assert multiprocessing.active_children() == []
 
 
+def _capture_killing_rank_1(monkeypatch, then):
+    """The engine captures decode graphs at start (as on CUDA); rank 0's capture kills rank 1
+    and then does `then()`, standing in for the capture's warm-up collective."""
+    monkeypatch.setattr(engine_core, "captures_graphs", lambda config, runner: True)
+
+    def capture(spec, runner):
+        os.kill(runner.followers.pids[0], signal.SIGKILL)
+        then()
+
+    monkeypatch.setattr(workers, "capture_graphs", capture)
+
+
+def _start_fails_naming_rank_1(path: Path) -> float:
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
+        LLM(str(path), tensor_parallel_size=2, cuda_graph_max_batch=4, **KW)
+    elapsed = time.monotonic() - start
+    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    return elapsed
+
+
+def test_a_rank_that_dies_during_graph_capture_is_named_and_leaves_no_process(tiny_qwen3, monkeypatch):
+    """Over gloo the warm-up's collective fails at once (the dead rank's sockets close): the
+    engine's start raises an error naming the rank, not the collective's."""
+    _capture_killing_rank_1(monkeypatch, lambda: dist.all_reduce(torch.ones(1)))
+    _start_fails_naming_rank_1(tiny_qwen3)
+
+
+def test_a_dead_rank_frees_rank_0_from_a_wait_only_an_abort_ends(tiny_qwen3, monkeypatch):
+    """Over NCCL a collective with a dead peer never completes, and rank 0 waits inside the
+    device (the capture's synchronize). Here that wait ends only when rank 0's watch aborts
+    the collectives, as NCCL's kernels quit on an abort; the start then fails at once,
+    naming the rank, not after NCCL's timeout."""
+    aborted = threading.Event()
+    monkeypatch.setattr(workers, "abort_collectives", aborted.set, raising=False)
+
+    def device_wait():
+        if not aborted.wait(30):
+            raise TimeoutError("rank 0 was never freed from its collective")
+        raise RuntimeError("NCCL communicator was aborted")
+
+    _capture_killing_rank_1(monkeypatch, device_wait)
+    assert _start_fails_naming_rank_1(tiny_qwen3) < 15
+
+
+def _watch_sees_death(group: workers.WorkerGroup) -> None:
+    group.processes[0].join(20)
+    watch = getattr(group, "watch", None)
+    deadline = time.monotonic() + 20
+    while watch is not None and watch.dead is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_a_step_that_ends_after_a_rank_died_is_not_delivered(tiny_qwen3):
+    """Over NCCL the watch's abort lets a step waiting on a dead rank end, with garbage ids:
+    processing it raises the rank's death instead of delivering them."""
+    core = EngineCore.create(EngineConfig.from_kwargs(str(tiny_qwen3), tensor_parallel_size=2, **KW))
+    try:
+        sink = core.add_request("r", [5, 6, 7, 8], PLAIN)
+        output = core.launch(core.prepare(core.schedule()))
+        os.kill(core.workers.pids[0], signal.SIGKILL)
+        _watch_sees_death(core.workers)
+        with pytest.raises(TensorParallelError, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
+            core.process(output)
+        assert sink.tokens == []
+    finally:
+        core.close()
+    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("dies", [False, True], ids=["clean", "a_rank_died"])
+def test_a_clean_close_shuts_the_group_down_after_the_graphs_else_aborts(tiny_qwen3, monkeypatch, dies):
+    """NCCL's choice, forced over gloo: a clean close destroys the group once the graphs are
+    gone (no abort, so no watchdog trace), and tells every rank to do the same; once a rank
+    has died, every rank aborts."""
+    events, stops = [], []
+    monkeypatch.setattr(group, "teardown", lambda backend, clean: teardown("nccl", clean))
+    monkeypatch.setattr(workers, "release_graphs", lambda graphs, runtime: events.append("release"))
+    destroy, abort = dist.destroy_process_group, group.abort_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (events.append("destroy"), destroy()))
+    monkeypatch.setattr(group, "abort_group", lambda: (events.append("abort"), abort()))
+    monkeypatch.setattr(workers, "Stop", lambda clean: (stops.append(clean), Stop(clean))[1])
+    with LLM(str(tiny_qwen3), tensor_parallel_size=2, **KW, cuda_graph_max_batch=4) as llm:
+        _with_graphs(llm, "resident")
+        assert llm.generate(PROMPTS[:2], PLAIN)[0].token_ids
+        pids = llm.core.workers.pids
+        if dies:
+            os.kill(pids[0], signal.SIGKILL)
+            _watch_sees_death(llm.core.workers)
+    assert stops == [not dies]
+    if dies:                                 # the abort starts first, on a helper thread
+        assert sorted(events) == ["abort", "release"]
+    else:
+        assert events == ["release", "destroy"]
+    assert not dist.is_initialized() and _wait_gone(pids) == []
+
+
+def test_one_host_binds_its_rendezvous_port_as_it_opens_it(tiny_qwen3, monkeypatch):
+    """No port is picked first and bound later (another socket may take it in between): rank
+    0's store binds one the OS chooses."""
+    def taken() -> int:
+        raise AssertionError("a port picked before it is bound")
+
+    monkeypatch.setattr(workers, "free_port", taken, raising=False)
+    store = group.open_store(1)
+    assert store.port > 0
+    with LLM(str(tiny_qwen3), tensor_parallel_size=2, **KW) as llm:
+        assert llm.generate(PROMPTS[:1], PLAIN)[0].token_ids
+
+
 def test_ranks_exit_when_the_engines_process_dies(tiny_qwen3, tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
@@ -537,24 +747,46 @@ def test_nnodes_and_node_rank_are_options_and_a_worker_command(tiny_qwen3, monke
         parse_command(["worker", "--nnodes", "2", "--tensor-parallel-size", "2"], {})
 
 
+def _rendezvous_port() -> int:
+    """A free port below the OS's ephemeral range, which it never hands out to a socket on
+    its own: MASTER_PORT must be known before node 0 binds it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    while True:
+        port = random.randrange(max(1024, low - 8000), low)
+        with socket.socket() as sock:
+            with contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", port))
+                return port
+
+
 def test_two_hosts_on_loopback_give_one_ranks_tokens(tiny_qwen3, monkeypatch):
     """Two processes that meet as two "hosts" through env:// on 127.0.0.1, one rank each:
-    node 1 runs `astream worker` and takes every other setting from node 0."""
+    node 1 runs `astream worker` and takes every other setting from node 0. The port can
+    still be taken before node 0 binds it (another program's listener): then both hosts
+    start again on another one."""
     want, _ = _generate(tiny_qwen3, 1)
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
-    node1 = subprocess.Popen([sys.executable, "-m", "astream.face.cli", "worker", "--nnodes", "2",
-                              "--node-rank", "1", "--tensor-parallel-size", "2", "--device", "cpu"],
-                             env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        for name, value in rendezvous.items():
-            monkeypatch.setenv(name, value)
-        got, stats = _generate(tiny_qwen3, 2, nnodes=2)
-        _, errors = node1.communicate(timeout=60)      # it exits once node 0's engine stops
-        assert node1.returncode == 0, errors
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.communicate()
+    for attempt in range(3):
+        rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_rendezvous_port())}
+        env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
+        node1 = subprocess.Popen([sys.executable, "-m", "astream.face.cli", "worker", "--nnodes", "2",
+                                  "--node-rank", "1", "--tensor-parallel-size", "2", "--device", "cpu"],
+                                 env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            for name, value in rendezvous.items():
+                monkeypatch.setenv(name, value)
+            try:
+                got, stats = _generate(tiny_qwen3, 2, nnodes=2)
+            except Exception as exc:
+                if attempt == 2 or not re.search("EADDRINUSE|address already in use", str(exc)):
+                    raise
+                continue
+            _, errors = node1.communicate(timeout=60)      # it exits once node 0's engine stops
+            assert node1.returncode == 0, errors
+            break
+        finally:
+            if node1.poll() is None:
+                node1.kill()
+                node1.communicate()
     _same_outputs(got, want)
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

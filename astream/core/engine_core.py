@@ -44,6 +44,7 @@ __all__ = ["EngineCore", "PreparedStep", "ScheduledBatch", "StepOutput", "StepPr
 log = logging.getLogger("astream")
 
 _MAX_FAULTS = 4          # a sequence in this many failed steps fails even in company
+CLOSE_DRAIN_S = 60.0     # closing waits at most this long for the device to go idle
 
 
 @dataclass(slots=True)
@@ -91,9 +92,10 @@ class EngineCore:
             runner.followers = workers
             if workers is not None and captures_graphs(config, runner):
                 workers.install_graphs(graph_spec(config, plan, runner), runner)
-        except BaseException:
-            if workers is not None:
-                workers.close()
+        except BaseException as exc:
+            named = None if workers is None else workers.stop_after(exc)
+            if named is not None:
+                raise named from exc
             raise
         align = plan.block_size if config.offload else 1
         scheduler = Scheduler(
@@ -266,6 +268,8 @@ class EngineCore:
     def process(self, output: StepOutput) -> int:
         """Consume a finished step (its `ready` event must have completed): deliver each
         sampled token and prefill progress. Returns how many tokens were delivered."""
+        if self.workers is not None:
+            self.workers.check()               # a rank that died makes this step's ids garbage
         register = self.scheduler.blocks.register_full_blocks
         for item in output.batch.items:
             if not item.seq.is_finished:       # this step's KV is written: cacheable now
@@ -323,9 +327,14 @@ class EngineCore:
         return self.process(output)
 
     def close(self) -> None:
-        """Wait for the device, then give back what the engine pinned in host memory."""
-        self.runtime.synchronize()
-        if self.runner.offload is not None:
+        """Wait for the device (a bounded time), then give back what the engine pinned in host
+        memory; where the device did not go idle, that memory stays pinned (a copy may still
+        write to it)."""
+        drained = self.runtime.drain(CLOSE_DRAIN_S)
+        if not drained:
+            log.warning("astream: the device did not go idle within %.0f s of closing; the "
+                        "host KV pool stays pinned", CLOSE_DRAIN_S)
+        if self.runner.offload is not None and drained:
             self.runner.offload.free_host_pool()
         self.runtime.close()
         if self.workers is not None:

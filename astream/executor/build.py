@@ -13,6 +13,7 @@ import torch
 from astream.base.config import EngineConfig
 from astream.executor.cuda_graphs import DecodeGraphs
 from astream.executor.graph_chain import ChainedStep
+from astream.executor.graph_sampling import discard
 from astream.executor.offload_graphs import OffloadDecodeGraphs, decodes_densely, selects_everywhere
 from astream.executor.runner import ModelRunner
 from astream.kvcache.calibration import calibrate_format, calibration_ids, scaled_format
@@ -27,6 +28,8 @@ from astream.policies import KVLayout, SparsePolicy
 from astream.runtime.device import DeviceRuntime
 
 log = logging.getLogger("astream")
+# Releasing graphs waits at most this long for the device to go idle.
+RELEASE_DRAIN_S = 30.0
 
 
 def kv_format(config: EngineConfig, decoder: Decoder, tokenizer) -> KVFormat:
@@ -146,8 +149,9 @@ def make_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | OffloadD
 
 
 def capture_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs:
-    """`make_graphs`, captured on CUDA (on the CPU their program keeps running eagerly).
-    Under tensor parallelism every rank calls this at once with the same spec
+    """`make_graphs`, captured on CUDA (on the CPU their program keeps running eagerly). A
+    capture that fails destroys the graphs it had captured, their memory pool with them,
+    and raises. Under tensor parallelism every rank calls this at once with the same spec
     (parallel.WorkerGroup.install_graphs): the warm-up runs and the captures hold the
     ranks' collectives, which must meet in the same order on every rank."""
     graphs = make_graphs(spec, runner)
@@ -159,15 +163,17 @@ def capture_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | Offlo
 
 def release_graphs(graphs: DecodeGraphs | OffloadDecodeGraphs | None, runtime: DeviceRuntime) -> None:
     """Destroy every CUDA graph of `graphs` (a runner's decode graphs; None: none), once the
-    device is idle; they cannot be replayed after. NCCL frees a communicator only once every
+    device is idle (waiting at most RELEASE_DRAIN_S); they cannot be replayed after. NCCL frees a communicator only once every
     graph that captured one of its collectives is gone, so under tensor parallelism each rank
     releases its graphs as it leaves the process group (parallel.group.leave_group), whoever
     still holds them."""
     if graphs is None or not runtime.is_cuda:
         return
-    runtime.synchronize()
-    for graph in captured(graphs):
-        graph.reset()
+    if not runtime.drain(RELEASE_DRAIN_S):
+        log.warning("astream: the device did not go idle within %.0f s (a collective waiting "
+                    "on a rank that is gone?); destroying the CUDA graphs without waiting "
+                    "(CUDA frees one still running once it ends)", RELEASE_DRAIN_S)
+    discard(captured(graphs))
 
 
 def captured(graphs: DecodeGraphs | OffloadDecodeGraphs) -> list:

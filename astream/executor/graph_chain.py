@@ -21,8 +21,8 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from astream.executor.graph_sampling import (GraphSampler, capture_sampling, capture_tails, sampling_modes,
-                                             warm_up_sampling)
+from astream.executor.graph_sampling import (GraphSampler, capture_sampling, capture_tails, discard,
+                                             sampling_modes, warm_up_sampling)
 
 T = TypeVar("T")
 
@@ -34,9 +34,11 @@ class ChainCapture:
     pool: tuple
     graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     open: bool = False                   # the last graph is still capturing
+    begun: list[torch.cuda.CUDAGraph] = field(default_factory=list)   # every graph begun, of every chain
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
+        self.begun.append(graph)
         graph.capture_begin(pool=self.pool)
         self.graphs.append(graph)
         self.open = True
@@ -56,13 +58,15 @@ class ChainCapture:
 
 
 @contextlib.contextmanager
-def capturing_chain(pool: tuple, device: torch.device) -> Iterator[ChainCapture]:
+def capturing_chain(pool: tuple, device: torch.device,
+                    begun: list | None = None) -> Iterator[ChainCapture]:
     """Capture on a side stream, as `torch.cuda.graph` does (the default stream cannot be
-    captured); the host parts between the graphs run on that stream too."""
+    captured); the host parts between the graphs run on that stream too. Each graph begun
+    is also added to `begun`."""
     torch.cuda.synchronize(device)
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
-    capture = ChainCapture(pool)
+    capture = ChainCapture(pool, begun=[] if begun is None else begun)
     try:
         with torch.cuda.stream(stream):
             capture.begin()
@@ -103,16 +107,21 @@ def capture_chained_steps(sizes: list[int], run: ChainRun, sampler: GraphSampler
                           after: Callable[[], object]) -> dict[tuple, ChainedStep | torch.cuda.CUDAGraph]:
     """Per size, largest first: `run(size, capture)` captured as one chain (its hidden states
     into out[:size]), one sampling graph per mode after it, and the sampling tails that
-    follow the greedy step, as `graph_sampling.capture_sampling_graphs` captures a whole step."""
-    steps, pool = {}, torch.cuda.graph_pool_handle()
+    follow the greedy step, as `graph_sampling.capture_sampling_graphs` captures a whole step,
+    and like it destroying every graph begun where a capture fails."""
+    steps, pool, begun = {}, torch.cuda.graph_pool_handle(), []
     modes = sampling_modes()
-    for size in sorted(sizes, reverse=True):
-        warm_up_sampling(sampler, run(size, None))       # warm-up (Triton compiles, cuBLAS plans)
-        with capturing_chain(pool, device) as capture:
-            out[:size] = run(size, capture)
-        for mode in modes:
-            steps[mode, size] = ChainedStep(capture.graphs, capture_sampling(sampler, out[:size], mode, pool),
-                                            between, after)
-        steps.update(capture_tails(sampler, size, pool))
-    torch.cuda.synchronize(device)
+    try:
+        for size in sorted(sizes, reverse=True):
+            warm_up_sampling(sampler, run(size, None))   # warm-up (Triton compiles, cuBLAS plans)
+            with capturing_chain(pool, device, begun) as capture:
+                out[:size] = run(size, capture)
+            for mode in modes:
+                sampling = capture_sampling(sampler, out[:size], mode, pool, begun)
+                steps[mode, size] = ChainedStep(capture.graphs, sampling, between, after)
+            steps.update(capture_tails(sampler, size, pool, begun))
+        torch.cuda.synchronize(device)
+    except BaseException:
+        discard(begun)
+        raise
     return steps

@@ -102,20 +102,26 @@ def warm_up_sampling(sampler: GraphSampler, hidden: torch.Tensor) -> None:
         sampler.tail(size, tail)
 
 
-def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str,
-                     pool: tuple) -> torch.cuda.CUDAGraph:
-    """A graph of `sampler.program(hidden, mode)` alone."""
+def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str, pool: tuple,
+                     begun: list | None = None) -> torch.cuda.CUDAGraph:
+    """A graph of `sampler.program(hidden, mode)` alone (added to `begun` before its capture)."""
     graph = _new_graph(sampler, mode != "greedy")
+    if begun is not None:
+        begun.append(graph)
     with torch.cuda.graph(graph, pool=pool):
         sampler.program(hidden, mode)
     return graph
 
 
-def capture_tails(sampler: GraphSampler, size: int, pool: tuple) -> dict[tuple[Tail, int], torch.cuda.CUDAGraph]:
-    """One graph of `sampler.tail(size, tail)` per tail, after the greedy graph of `size`."""
+def capture_tails(sampler: GraphSampler, size: int, pool: tuple,
+                  begun: list | None = None) -> dict[tuple[Tail, int], torch.cuda.CUDAGraph]:
+    """One graph of `sampler.tail(size, tail)` per tail, after the greedy graph of `size`
+    (each added to `begun` before its capture)."""
     graphs = {}
     for tail in tail_modes(_draws()):
         graph = _new_graph(sampler, tail.draw)
+        if begun is not None:
+            begun.append(graph)
         with torch.cuda.graph(graph, pool=pool):
             sampler.tail(size, tail)
         graphs[tail, size] = graph
@@ -135,21 +141,39 @@ def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler,
     """One whole-step graph per (mode, size), largest first, and the tails of each size,
     sharing one memory pool: a whole-step replay runs `run(size)` over the static buffers,
     leaves its hidden states in out[:size] and its sampled ids in sampler.token_ids[:size];
-    a tail's, its ids there from the greedy replay's logits."""
+    a tail's, its ids there from the greedy replay's logits. Where a capture fails, every
+    graph begun is destroyed (`discard`) before the error goes on."""
     modes = sampling_modes()
-    graphs, pool = {}, torch.cuda.graph_pool_handle()
-    for size in sorted(sizes, reverse=True):
-        warm_up_sampling(sampler, run(size))             # warm-up (Triton compiles, cuBLAS plans)
+    graphs, pool, begun = {}, torch.cuda.graph_pool_handle(), []
+    try:
+        for size in sorted(sizes, reverse=True):
+            warm_up_sampling(sampler, run(size))         # warm-up (Triton compiles, cuBLAS plans)
+            torch.cuda.synchronize(device)
+            for mode in modes:
+                graph = _new_graph(sampler, mode != "greedy")
+                begun.append(graph)
+                with torch.cuda.graph(graph, pool=pool):
+                    out[:size] = run(size)
+                    sampler.program(out[:size], mode)
+                graphs[mode, size] = graph
+            graphs.update(capture_tails(sampler, size, pool, begun))
         torch.cuda.synchronize(device)
-        for mode in modes:
-            graph = _new_graph(sampler, mode != "greedy")
-            with torch.cuda.graph(graph, pool=pool):
-                out[:size] = run(size)
-                sampler.program(out[:size], mode)
-            graphs[mode, size] = graph
-        graphs.update(capture_tails(sampler, size, pool))
-    torch.cuda.synchronize(device)
+    except BaseException:
+        discard(begun)
+        raise
     return graphs
+
+
+def discard(graphs) -> None:
+    """Destroy each CUDA graph of `graphs` now, with its share of the memory pool: the error
+    of a failed capture holds them (its traceback, their frames) for as long as it lives,
+    and under tensor parallelism NCCL frees a communicator only once every graph holding its
+    collectives is gone. A graph whose capture broke off is destroyed as far as it got."""
+    for graph in graphs:
+        try:
+            graph.reset()
+        except RuntimeError:
+            pass
 
 
 def replay(graphs: dict, size: int, n: int, mode: Mode | None, batch: SamplingBatch | None,

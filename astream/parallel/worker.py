@@ -8,7 +8,8 @@ answers with its settings and checkpoint path, so that host's command line names
 the ranks' layout.
 
 Messages from rank 0: ("plan", CachePlan), then one HostStep per step, between steps a
-GraphSpec (build, and on CUDA capture, those decode graphs now, as rank 0 does), then None.
+GraphSpec (build, and on CUDA capture, those decode graphs now, as rank 0 does), then Stop
+(at any point).
 To rank 0: ("hello", rank) on a connection, ("loaded", CachePlan), ("ready", None),
 ("graphs", the (mode, batch size) keys captured) or ("error", traceback text).
 """
@@ -19,6 +20,7 @@ import dataclasses
 import multiprocessing
 import sys
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 
@@ -34,6 +36,18 @@ from astream.policies import make_policy
 from astream.runtime.device import DeviceRuntime
 
 
+@dataclass(slots=True, frozen=True)
+class Stop:
+    """Rank 0's last message. `clean`: every rank is alive and idle, so each destroys the
+    group; else each aborts it (parallel.group.leave_group)."""
+
+    clean: bool
+
+
+class _Stopped(Exception):
+    """Rank 0 stopped the ranks before this one had started."""
+
+
 def worker_main(rank: int, size: int, port: int | None, config: EngineConfig, path: str,
                 conn: Connection) -> None:
     """A rank on rank 0's host, spawned with its pipe; `port` None: env:// (several hosts)."""
@@ -44,7 +58,8 @@ def worker_main(rank: int, size: int, port: int | None, config: EngineConfig, pa
         if port is None:
             share_from_rank0()
         runner = _start(tp, config, checkpoint, device, conn)
-    except EOFError:                        # rank 0 went away while this one loaded
+    except (EOFError, _Stopped):            # rank 0 went away, or gave up, while this one loaded
+        leave_group()
         return
     except BaseException:
         _report(conn)
@@ -71,7 +86,8 @@ def remote_worker_main(rank: int, config: EngineConfig, model: str | None) -> No
         checkpoint = open_checkpoint(Path(model or path), ours.load_format)
         tp = TensorParallel(TPShard(rank, size, ModelConfig.from_hf(checkpoint.hf_config)))
         runner = _start(tp, ours, checkpoint, device, conn)
-    except EOFError:
+    except (EOFError, _Stopped):
+        leave_group()
         return
     except BaseException:
         if conn is None:
@@ -109,7 +125,10 @@ def _start(tp, config: EngineConfig, checkpoint, device, conn: Connection):
     policy = make_policy(config.sparse_policy, config.sparse_budget)
     fmt = kv_format(config, model.decoder, model.tokenizer)
     conn.send(("loaded", plan_runner_cache(config, model.decoder, policy, fmt)))
-    plan = conn.recv()[1]
+    message = conn.recv()
+    if isinstance(message, Stop):
+        raise _Stopped
+    plan = message[1]
     runner = build_runner(config, plan, model.decoder, DeviceRuntime(device), policy, fmt)
     conn.send(("ready", None))
     return runner
@@ -117,20 +136,22 @@ def _start(tp, config: EngineConfig, checkpoint, device, conn: Connection):
 
 def _serve(runner, conn: Connection) -> None:
     previous = graphs = None
+    clean = False
     try:
-        while (message := conn.recv()) is not None:
+        while not isinstance(message := conn.recv(), Stop):
             if isinstance(message, GraphSpec):
                 graphs = runner.graphs = capture_graphs(message, runner)
                 conn.send(("graphs", sorted(graphs.graphs)))
             else:
                 previous = runner.follow(message, previous)
+        clean = message.clean
     except EOFError:                        # rank 0's process ended: so does this one
         return
     except BaseException:
         _report(conn)
         sys.exit(1)
     finally:
-        leave_group(lambda: release_graphs(graphs, runner.runtime))
+        leave_group(lambda: release_graphs(graphs, runner.runtime), clean=clean)
 
 
 def _report(conn: Connection) -> None:

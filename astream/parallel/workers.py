@@ -6,11 +6,14 @@ arrays and, with offload, the offload plan's host lists) written to that rank's 
 connection to rank 0's step channel for a rank on another host), which it then sends to
 its own device. The pipe is
 also how a rank learns that rank 0 is gone (end of file), and rank 0 watches every
-process's sentinel, so a dead rank is named, never waited for.
+process's sentinel, so a dead rank is named, never waited for: from a thread of its own
+(parallel.liveness) once the group has formed, which also frees rank 0 from a collective
+that waits on the dead rank.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -28,13 +31,16 @@ from astream.executor.runner import HostStep, ModelRunner
 from astream.kvcache.sizing import CachePlan
 from astream.models.config import ModelConfig
 from astream.models.tensor_parallel import TensorParallel
-from astream.parallel.group import (COLLECTIVE_TIMEOUT_S, free_port, join_group, leave_group,
-                                    share_from_rank0)
-from astream.parallel.worker import worker_main
+from astream.parallel.group import (COLLECTIVE_TIMEOUT_S, abort_collectives, join_group,
+                                    leave_group, open_store, share_from_rank0)
+from astream.parallel.liveness import RankWatch
+from astream.parallel.worker import Stop, worker_main
 from astream.runtime.device import DeviceRuntime
 
 STOP_GRACE_S = 5.0         # a rank asked to stop may finish its step; then it is terminated
 DEATH_WAIT_S = 2.0         # after a failed collective: how long a dying rank may take to exit
+
+log = logging.getLogger("astream")
 
 
 @dataclass(slots=True)
@@ -53,6 +59,7 @@ class WorkerGroup:
     closed: bool = False
     graphs: object = None                                    # rank 0's captured decode graphs
     runtime: DeviceRuntime | None = None                     # rank 0's, where it has graphs
+    watch: RankWatch | None = None                           # this host's ranks, once joined
 
     @classmethod
     def start(cls, config: EngineConfig, path: str, model: ModelConfig,
@@ -60,9 +67,11 @@ class WorkerGroup:
         """Spawn the other ranks of this host and join the process group with them (and with
         the ranks of other hosts) as rank 0."""
         size, local = config.tensor_parallel_size, config.ranks_per_node
-        port = free_port() if config.nnodes == 1 else None
-        key = None
-        if port is None:
+        store = port = key = None
+        if config.nnodes == 1:
+            store = open_store(size)
+            port = store.port
+        else:
             address = rendezvous_address()
             key = os.urandom(32)
         context = multiprocessing.get_context("spawn")
@@ -79,10 +88,13 @@ class WorkerGroup:
         try:
             if key is not None:
                 group.listener = Listener((address, 0), authkey=key)
-            group.tp = group._join(size, port, model, device, (config, str(path), key))
+            group.tp = group._join(size, port, model, device, (config, str(path), key), store)
         except BaseException:
-            group.close()
+            group.close(clean=False)
             raise
+        group.watch = RankWatch.start({rank: process for rank, process in
+                                       zip(group._ranks(), group.processes) if process is not None},
+                                      _on_death)
         return group
 
     @property
@@ -112,7 +124,10 @@ class WorkerGroup:
             return
         self._send_all(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
         runner.graphs = None              # steps run eagerly until every rank has its graphs
-        graphs = capture_graphs(spec, runner)
+        try:
+            graphs = capture_graphs(spec, runner)     # a failed capture released its graphs
+        except Exception as exc:
+            raise self.failed(exc, "decode graphs' capture") from exc
         self.graphs, self.runtime = graphs, runner.runtime    # released as rank 0 leaves
         ours = sorted(graphs.graphs)
         for rank in self._ranks():
@@ -135,14 +150,40 @@ class WorkerGroup:
             except (OSError, ConnectionError) as exc:
                 raise self.failed(exc) from exc
 
-    def failed(self, error: BaseException) -> Exception:
-        """A step failed after it had started on every rank: name the dead rank if one died,
-        and stop them all."""
+    def check(self) -> None:
+        """Raise the TensorParallelError that names a rank the watch saw die (after which
+        rank 0's device results are garbage: its collectives were aborted)."""
+        if self.watch is not None and self.watch.dead is not None:
+            raise self.failed(ConnectionError(f"rank {self.watch.dead} is gone"))
+
+    def failed(self, error: BaseException, during: str = "step") -> Exception:
+        """A step (or `during`) failed after it had started on every rank: name the dead rank
+        if one died, and stop them all."""
         if self.closed:
             return TensorParallelError(f"the tensor-parallel ranks were stopped: {error}")
+        dead = self._dead(DEATH_WAIT_S)
+        self.close(clean=False)
+        if not dead:
+            return TensorParallelError(f"a tensor-parallel {during} failed on rank 0 "
+                                       f"({type(error).__name__}: {error}); the engine stops")
+        return self._named(*dead[0])
+
+    def stop_after(self, error: BaseException) -> Exception | None:
+        """Starting the engine failed with `error` once the group had formed: stop the ranks;
+        the error to raise instead where a rank died, else None."""
+        if self.closed or isinstance(error, TensorParallelError):
+            self.close(clean=False)
+            return None
+        dead = self._dead(DEATH_WAIT_S if isinstance(error, RuntimeError) else 0.0)
+        self.close(clean=False)
+        return self._named(*dead[0]) if dead else None
+
+    def _dead(self, wait_s: float) -> list[tuple[int, str]]:
+        """The ranks that died or whose connection closed (waiting up to `wait_s` for one),
+        the one the watch saw first first."""
         ready = wait([p.sentinel for p in self.processes if p is not None]
                      + [pipe for pipe, p in zip(self.pipes, self.processes) if p is None],
-                     timeout=DEATH_WAIT_S)
+                     timeout=wait_s)
         for process in self.processes:
             if process is not None and process.sentinel in ready:
                 process.join(DEATH_WAIT_S)     # its files close a moment before its exit shows
@@ -152,32 +193,36 @@ class WorkerGroup:
                 if p is not None and p.exitcode is not None]
         dead += [(rank, f"on node {rank // self.ranks_per_node} is gone (its connection "
                         "closed)") for rank in sorted(self.lost)]
-        self.close()
-        if not dead:
-            return TensorParallelError(f"a tensor-parallel step failed on rank 0 "
-                                       f"({type(error).__name__}: {error}); the engine stops")
-        rank, state = dead[0]
+        first = None if self.watch is None else self.watch.dead
+        return sorted(dead, key=lambda item: item[0] != first)
+
+    def _named(self, rank: int, state: str) -> TensorParallelError:
         last = self.errors.get(rank, "").strip().splitlines()
         cause = f": {last[-1]}" if last else ""
         return TensorParallelError(f"tensor-parallel rank {rank} {state}{cause}; "
                                    "the engine stops")
 
-    def close(self) -> None:
+    def close(self, clean: bool = True) -> None:
         """Stop every rank and leave the process group with them, releasing rank 0's decode
-        graphs, then wait for this host's ranks to exit (politely, then by force)."""
+        graphs, then wait for this host's ranks to exit (politely, then by force). `clean`:
+        no step failed; the ranks destroy the group then, unless one has died meanwhile."""
         if self.closed:
             return
         self.closed = True
+        if self.watch is not None:
+            self.watch.stop()
+            clean = clean and self.watch.dead is None
+        clean = clean and not any(p is not None and not p.is_alive() for p in self.processes)
         for pipe in self.pipes:
             try:
                 if pipe is not None:
-                    pipe.send(None)
+                    pipe.send(Stop(clean))
             except OSError:
                 pass
         # Before waiting for the ranks: each leaves the group as it stops, and under NCCL a
         # rank's teardown ends only once every other rank of the host has left too.
         graphs, self.graphs = self.graphs, None
-        leave_group(lambda: release_graphs(graphs, self.runtime))
+        leave_group(lambda: release_graphs(graphs, self.runtime), clean=clean)
         for process in self.processes:
             if process is None:
                 continue
@@ -198,7 +243,7 @@ class WorkerGroup:
         return range(1, len(self.processes) + 1)
 
     def _join(self, size: int, port: int | None, model: ModelConfig, device: torch.device,
-              settings: tuple) -> TensorParallel:
+              settings: tuple, store=None) -> TensorParallel:
         """Join the group on a helper thread while watching the ranks: one that dies before
         it joins would otherwise hold rank 0 in the rendezvous until it times out. With
         several hosts, the thread then waits for their ranks on the step channel."""
@@ -206,7 +251,7 @@ class WorkerGroup:
 
         def join() -> None:
             try:
-                tp = join_group(0, size, port, device, model)
+                tp = join_group(0, size, port, device, model, store)
                 if self.listener is not None:
                     share_from_rank0((self.listener.address, settings[2]))
                     self._accept(settings[:2])
@@ -300,3 +345,8 @@ def rendezvous_address() -> str:
         raise ValueError(f"nnodes > 1 needs {' and '.join(missing)} set: node 0's address and a "
                          "free port there, the same on every host")
     return os.environ["MASTER_ADDR"]
+
+
+def _on_death(rank: int) -> None:
+    log.error("astream: tensor-parallel rank %d died; aborting rank 0's collectives", rank)
+    abort_collectives()

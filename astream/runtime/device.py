@@ -9,6 +9,8 @@ engine code runs on both.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -20,6 +22,8 @@ import torch
 from astream.runtime.events import Event
 
 T = TypeVar("T")
+
+log = logging.getLogger("astream")
 
 
 class CompletedEvent:
@@ -100,3 +104,22 @@ class DeviceRuntime:
         """Only for start-up, shutdown and tests, never on a hot path."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+    def drain(self, timeout_s: float) -> bool:
+        """`synchronize`, for at most `timeout_s` seconds: whether the device went idle. The
+        wait runs on a helper thread, left behind where it does not end (a kernel that waits
+        on another process's device, say). A device that fails instead counts as idle: it
+        runs nothing more."""
+        if not self.is_cuda:
+            return True
+        done = threading.Event()
+
+        def wait() -> None:
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as exc:
+                log.warning("astream: waiting for the device failed: %s", exc)
+            done.set()
+
+        threading.Thread(target=wait, name="astream-drain", daemon=True).start()
+        return done.wait(timeout_s)
