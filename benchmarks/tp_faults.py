@@ -47,10 +47,10 @@ SCENARIO_LIMIT_S = 240
 
 def engine_options(tp: int, shape: str = "tiny", **extra) -> dict:
     from common import shaped_model, synthetic_tokenizer
-    return dict(model=str(shaped_model(shape, max_positions=4096)), load_format="dummy",
-                tokenizer=synthetic_tokenizer(), device="cuda", dtype="bfloat16", max_num_seqs=8,
-                max_model_len=4096, tensor_parallel_size=tp, show_progress=False,
-                cuda_graph_max_batch=8, **extra)
+    return {**dict(model=str(shaped_model(shape, max_positions=4096)), load_format="dummy",
+                   tokenizer=synthetic_tokenizer(), device="cuda", dtype="bfloat16", max_num_seqs=8,
+                   max_model_len=4096, tensor_parallel_size=tp, show_progress=False,
+                   cuda_graph_max_batch=8), **extra}
 
 
 def prompts(n: int) -> list[list[int]]:

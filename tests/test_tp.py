@@ -415,7 +415,8 @@ def test_a_failed_capture_destroys_the_graphs_it_had_captured(monkeypatch, chain
     graphs of size 4 and the one begun for size 2 are destroyed before the error goes on (it
     would hold them, and their memory pool, for as long as it lives)."""
     _fake_cuda_capture(monkeypatch)
-    sampler = SimpleNamespace(program=lambda hidden, mode: None, generator=None)
+    sampler = SimpleNamespace(program=lambda hidden, mode: None, tail=lambda size, tail: None,
+                              generator=None)
 
     def run(size: int, capture=None) -> torch.Tensor:
         if capture is not None:

@@ -141,7 +141,7 @@ def _serve(runner, conn: Connection) -> None:
         while not isinstance(message := conn.recv(), Stop):
             if isinstance(message, GraphSpec):
                 graphs = runner.graphs = capture_graphs(message, runner)
-                conn.send(("graphs", sorted(graphs.graphs)))
+                conn.send(("graphs", sorted(graphs.graphs, key=repr)))
             else:
                 previous = runner.follow(message, previous)
         clean = message.clean

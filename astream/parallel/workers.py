@@ -129,7 +129,7 @@ class WorkerGroup:
         except Exception as exc:
             raise self.failed(exc, "decode graphs' capture") from exc
         self.graphs, self.runtime = graphs, runner.runtime    # released as rank 0 leaves
-        ours = sorted(graphs.graphs)
+        ours = sorted(graphs.graphs, key=repr)
         for rank in self._ranks():
             theirs = self._receive(rank, "graphs")
             if theirs != ours:
