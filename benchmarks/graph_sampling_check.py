@@ -197,7 +197,8 @@ def engine_check(offload: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--rows", type=int, nargs="*", default=[1, 8, 64, 256],
+                        help="batch sizes of the sampling checks (none: the engine checks only)")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--no-engine", action="store_true")
