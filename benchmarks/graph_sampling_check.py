@@ -18,6 +18,7 @@ Per batch size (rows, padded to the captured size as the engine pads):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -169,6 +170,10 @@ def engine_check(offload: bool) -> dict:
     """Greedy rows with penalties, bans and logprobs, and sampled rows with top-k/top-p: the
     graphs sample them in the tail (`sampled_inside` counts every graph step); greedy tokens
     against enforce_eager (bf16: a graph's padded batch may round a near tie differently)."""
+    # The engines before this one in the process (and what still referred to them) gave
+    # their memory back to torch's cache: give it to the driver, where engines size from.
+    gc.collect()
+    torch.cuda.empty_cache()
     prompts = ["The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,", "Write a haiku about the sea."]
     params = [SamplingParams(temperature=0, max_tokens=32, frequency_penalty=1.0, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=32, repetition_penalty=1.3, ignore_eos=True),

@@ -158,11 +158,17 @@ def capture_fails() -> dict:
             held = exc                           # its traceback holds the capture's frames
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        after = torch.cuda.memory_reserved()
+        held_mib = (torch.cuda.memory_reserved() - before) / 2**20
         failed = held is not None
+        # The error's frames still hold the sampler's tables (plain tensors, not the graphs'
+        # pool): they go with it.
         del held
+        gc.collect()
+        torch.cuda.empty_cache()
+        after = torch.cuda.memory_reserved()
     return {"ok": failed and after - before <= 1 << 20, "capture_failed": failed,
             "reserved_before_mib": round(before / 2**20, 1),
+            "reserved_while_error_held_mib": round(before / 2**20 + held_mib, 1),
             "reserved_after_mib": round(after / 2**20, 1)}
 
 
