@@ -16,7 +16,8 @@ Sections (the section's own options after its name; defaults in brackets):
   between consecutive steps' results. With offload, bytes moved per step: ring loads (Full)
   or gathered pages (with --reuse-pages, only the pages a row's slots did not already hold).
   --steps [10] timed steps of each kind a run; --cases CTXxBATCH,...; --budgets full,4096;
-  --kv-dtypes auto,fp8_e4m3 (in turn); --skip resident|offload; --layer-kernels
+  --kv-dtypes auto,fp8_e4m3 (in turn); --gqa-reduce max,relative (in turn, each budget);
+  --skip resident|offload|offload_full; --layer-kernels
   reference,triton (in turn); --dense-graphs auto|never (offload Full: a chain of graphs,
   or the eager ring); --reuse-pages; --prefetch 0,1.5 (offload: Quest's prefetch values, in
   turn for each budget; `late_bytes_per_step` is what the layers still gathered themselves);
@@ -97,6 +98,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import random
 import statistics
 import time
@@ -172,6 +174,8 @@ def add_arguments(parser) -> None:
                         help="speed: resident, offload and/or offload_full (its Full rows)")
     parser.add_argument("--reuse-pages", action="store_true",
                         help="speed, offload: keep selected pages on the device between steps")
+    parser.add_argument("--gqa-reduce", default="max",
+                        help="speed: Quest's GQA reductions in turn, e.g. max,relative")
     parser.add_argument("--prefetch", default="0",
                         help="speed, offload: Quest prefetch values in turn, e.g. 0,1,1.5")
     parser.add_argument("--offload", action="store_true", help="profile: offload the KV cache")
@@ -277,7 +281,8 @@ def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
 
 
 def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: int,
-                       kernel_sets: list[str], dense_graphs: str, prefetches: tuple[float, ...] = (0,)):
+                       kernel_sets: list[str], dense_graphs: str, prefetches: tuple[float, ...] = (0,),
+                       reductions: tuple[str, ...] = ("max",)):
     with engine_core(config) as core:
         kv = core.stats()["kv_cache_dtype"]
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -293,12 +298,15 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
             prefill_s = time.perf_counter() - start
             for kernels in kernel_sets or [core.runner.decoder.kernels.name]:
                 for budget in budgets:
-                    for prefetch in prefetches if budget != FULL else (0,):
-                        set_budget(core, budget, kernels, dense_graphs, prefetch=prefetch)
+                    sparse = budget != FULL
+                    for prefetch, reduce in itertools.product(prefetches if sparse else (0,),
+                                                              reductions if sparse else ("max",)):
+                        set_budget(core, budget, kernels, dense_graphs, prefetch=prefetch,
+                                   gqa_reduce=reduce)
                         decode_steps(core, 2)                    # warm-up (and Triton compiles)
                         yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
                                 "budget": "full" if budget == FULL else budget,
-                                "prefetch": prefetch, "layer_kernels": kernels,
+                                "prefetch": prefetch, "gqa_reduce": reduce, "layer_kernels": kernels,
                                 "dense_graphs": dense_graphs},
                                partial(measure_steps, core, steps, prefill_s))
             for rid in ids:
@@ -315,6 +323,7 @@ def speed_cases(o):
     # Page reuse's device buffers are planned from the policy the engine starts with: the
     # largest budget timed (set_budget changes it between runs).
     prefetches = tuple(float(p) for p in o.prefetch.split(","))
+    reductions = tuple(o.gqa_reduce.split(","))
     buffered = o.reuse_pages or any(prefetches)
     planned = max((b for b in budgets if b != FULL), default=FULL) if buffered else FULL
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
@@ -336,7 +345,8 @@ def speed_cases(o):
             resident = {**kv_base, "sparse_policy": dataclasses.replace(
                 base["sparse_policy"], reuse_pages=False, prefetch=0)}
             yield from engine_speed_cases(EngineConfig(**resident), "resident", resident_cases,
-                                          budgets, o.steps, kernel_sets, "auto")
+                                          budgets, o.steps, kernel_sets, "auto",
+                                          reductions=reductions)
         if "offload" not in skip:
             block = 16 if smoke else 256
             pool = max(max_pos, *(c * b for c, b in offload_cases)) // block + 64
@@ -345,7 +355,7 @@ def speed_cases(o):
             offload_budgets = [b for b in budgets if b != FULL or "offload_full" not in skip]
             for dense in o.dense_graphs.split(","):
                 yield from engine_speed_cases(cfg, "offload", offload_cases, offload_budgets, o.steps,
-                                              kernel_sets, dense, prefetches)
+                                              kernel_sets, dense, prefetches, reductions)
 
 
 def summarize(result: dict) -> None:
@@ -359,7 +369,7 @@ def summarize(result: dict) -> None:
             for r in rows if r["params"]["mode"] == "resident" and r["params"]["budget"] == "full"
             and r["params"]["kv"] == first}
     print(f"\nmedian ms and x resident Full ({first})")
-    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'ahead':>6}"
+    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'ahead':>6}{'gqa':>9}"
           f"{'sync':>10}{'x Full':>8}{'pipelined':>11}{'x Full':>8}{'late MB':>9}")
     for r in rows:
         p, f = r["params"], r["figures"]
@@ -371,7 +381,8 @@ def summarize(result: dict) -> None:
             cells += f"{median:>{width}.2f}{ratio:>8}"
         late = f.get("late_bytes_per_step", {}).get("median", 0) / 1e6
         print(f"{p['mode']:<9}{p['layer_kernels']:>10}{p['kv']:>14}{p['context']:>8}"
-              f"{p['batch']:>6}{str(p['budget']):>7}{p.get('prefetch', 0):>6}{cells}{late:>9.1f}")
+              f"{p['batch']:>6}{str(p['budget']):>7}{p.get('prefetch', 0):>6}"
+              f"{p.get('gqa_reduce', 'max'):>9}{cells}{late:>9.1f}")
 
 
 # ---------------------------------------------------------------- kernels, against torch
