@@ -64,6 +64,23 @@ def test_static_decode_steps_give_the_eager_offload_tokens(dense_layers, reuse_p
     assert got == want
 
 
+def test_a_covering_budget_with_prefetch_gives_full_offloads_tokens():
+    """Static steps select on every offloaded layer whatever the context (the captured
+    shape's longest context exceeds the budget); a budget that covers every sequence then
+    picks every page, a layer early or late, and the tokens are Full offload's."""
+    with LLM(**KW) as llm:
+        want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    policy = QuestPolicy(budget_tokens=1024, dense_layers=2, prefetch=1)
+    with LLM(**KW, sparse_policy=policy) as llm:
+        graphs = with_static_graphs(llm, max_batch=4)
+        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        stats = llm.stats()
+    assert graphs.steps >= 38 and sum(stats["quest_selections"]) > 0
+    early = sum(stats["quest_pages_loaded"]) - sum(stats["quest_pages_loaded_late"])
+    assert early > 0 and sum(stats["quest_pages_loaded_late"]) < early
+    assert got == want
+
+
 def test_static_steps_pad_a_batch_to_a_captured_size():
     with LLM(**KW, sparse_policy=quest()) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS[1:], PARAMS[1:])]

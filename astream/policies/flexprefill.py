@@ -2,7 +2,8 @@
 per head and per input.
 
 Each prefill chunk's attention (over its prefix and itself) is estimated from the chunk's
-last query block. Per head, a query-aware pattern (block-mean queries against block-mean
+last query block (a prompt prefilled in one chunk is estimated as the authors' code does;
+smaller chunks lose accuracy: docs/ENGINE.md). Per head, a query-aware pattern (block-mean queries against block-mean
 keys) is used where that cheap estimate agrees with the head's true last-block attention
 (square-root Jensen-Shannon divergence below `tau`), else a vertical-slash pattern; either
 way the head keeps the fewest blocks whose estimated attention reaches `gamma`, with at
