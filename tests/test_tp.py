@@ -662,6 +662,27 @@ def test_a_step_that_ends_after_a_rank_died_is_not_delivered(tiny_qwen3):
     assert multiprocessing.active_children() == [] and not dist.is_initialized()
 
 
+def test_a_step_dropped_part_way_closes_by_abort(tiny_qwen3, monkeypatch):
+    """A step whose program is closed between layers (the engine cancelled mid-step) has
+    reached the other rank, which now waits in a collective rank 0 will not issue: the close
+    that follows aborts the group rather than destroying it, and no rank is left behind."""
+    stops = []
+    monkeypatch.setattr(workers, "Stop", lambda clean: (stops.append(clean), Stop(clean))[1])
+    core = EngineCore.create(EngineConfig.from_kwargs(str(tiny_qwen3), tensor_parallel_size=2, **KW))
+    try:
+        pids = core.workers.pids
+        core.add_request("r", [5, 6, 7, 8], PLAIN)
+        program = core.runner.program(core.prepare(core.schedule()), None)
+        next(program)                                  # layer 0 queued on every rank
+        program.close()
+        assert core.workers.out_of_step
+    finally:
+        core.close()
+    assert stops == [False]
+    assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    assert _wait_gone(pids) == []
+
+
 @pytest.mark.parametrize("dies", [False, True], ids=["clean", "a_rank_died"])
 def test_a_clean_close_shuts_the_group_down_after_the_graphs_else_aborts(tiny_qwen3, monkeypatch, dies):
     """NCCL's choice, forced over gloo: a clean close destroys the group once the graphs are

@@ -338,7 +338,8 @@ class EngineCore:
             self.runner.offload.free_host_pool()
         self.runtime.close()
         if self.workers is not None:
-            self.workers.close()
+            # A device that did not go idle most likely waits in a collective on a peer.
+            self.workers.close(clean=drained)
 
     def stats(self) -> dict:
         blocks = self.scheduler.blocks

@@ -163,10 +163,10 @@ def capture_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | Offlo
 
 def release_graphs(graphs: DecodeGraphs | OffloadDecodeGraphs | None, runtime: DeviceRuntime) -> None:
     """Destroy every CUDA graph of `graphs` (a runner's decode graphs; None: none), once the
-    device is idle (waiting at most RELEASE_DRAIN_S); they cannot be replayed after. NCCL frees a communicator only once every
-    graph that captured one of its collectives is gone, so under tensor parallelism each rank
-    releases its graphs as it leaves the process group (parallel.group.leave_group), whoever
-    still holds them."""
+    device is idle (waiting at most RELEASE_DRAIN_S); they cannot be replayed after. NCCL
+    frees a communicator only once every graph that captured one of its collectives is gone,
+    so under tensor parallelism each rank releases its graphs as it leaves the process group
+    (parallel.group.leave_group), whoever still holds them."""
     if graphs is None or not runtime.is_cuda:
         return
     if not runtime.drain(RELEASE_DRAIN_S):

@@ -48,6 +48,11 @@ class StepFollowers(Protocol):
     def failed(self, error: BaseException) -> Exception:
         """A step that had started on every rank raised: stop them all; the error to raise."""
 
+    def abandoned(self) -> None:
+        """A step that had started on every rank was dropped part-way (its program closed):
+        the other ranks may wait in a collective rank 0 never issues, so they cannot leave
+        the group cleanly."""
+
 
 @dataclass(slots=True)
 class HostStep:
@@ -152,17 +157,24 @@ class ModelRunner:
 
     def program(self, step: PreparedStep, previous: StepOutput | None) -> StepProgram:
         """Enqueue the forward pass, the sampler (inside a decode step's graphs unless a row
-        has a seed) and the readback of the sampled ids and logprobs. With tensor-parallel followers, the step goes to
-        them first; once it has, a failure leaves the ranks out of step, so it is fatal."""
+        has a seed) and the readback of the sampled ids and logprobs. With tensor-parallel
+        followers, the step goes to them first; once it has, a failure leaves the ranks out
+        of step, so it is fatal, and a step dropped part-way rules out a clean close."""
         if step.inputs.pending_dst is not None and previous is None:
             raise RuntimeError("a batch with pending tokens needs the previous step's output")
         if self.followers is None:
             return (yield from self._program(step, previous))
         self.followers.send(step.host)
+        finished = False
         try:
-            return (yield from self._program(step, previous))
+            output = yield from self._program(step, previous)
+            finished = True
+            return output
         except Exception as exc:
             raise self.followers.failed(exc) from exc
+        finally:
+            if not finished:            # raised, or closed at a yield (the engine cancelled)
+                self.followers.abandoned()
 
     @torch.inference_mode()
     def follow(self, step: HostStep, previous_ids: torch.Tensor | None) -> torch.Tensor:

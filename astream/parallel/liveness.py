@@ -50,9 +50,17 @@ class RankWatch:
 
     def _run(self) -> None:
         sentinels = {process.sentinel: rank for rank, process in self.processes.items()}
-        ready = wait([self._wake[0], *sentinels])
-        with self._lock:
-            if self._stopped:
-                return
-            self.dead = min(sentinels[s] for s in ready if s in sentinels)
+        try:
+            ready = wait([self._wake[0], *sentinels])
+            with self._lock:
+                if self._stopped:
+                    return
+                self.dead = min(sentinels[s] for s in ready if s in sentinels)
+        finally:
+            with self._lock:
+                # After `stop` has sent its byte, or once a death is recorded (stop sends none
+                # then): nothing writes to the pipe again.
+                if self._stopped or self.dead is not None:
+                    for end in self._wake:
+                        end.close()
         self.on_death(self.dead)

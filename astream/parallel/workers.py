@@ -55,6 +55,7 @@ class WorkerGroup:
     tp: TensorParallel | None = None
     errors: dict[int, str] = field(default_factory=dict)     # rank -> its last words
     lost: set[int] = field(default_factory=set)              # other hosts' ranks whose connection closed
+    out_of_step: bool = False        # a step that had reached every rank was dropped part-way
     listener: Listener | None = None                         # the step channel, with several hosts
     closed: bool = False
     graphs: object = None                                    # rank 0's captured decode graphs
@@ -202,17 +203,22 @@ class WorkerGroup:
         return TensorParallelError(f"tensor-parallel rank {rank} {state}{cause}; "
                                    "the engine stops")
 
+    def abandoned(self) -> None:
+        self.out_of_step = True
+
     def close(self, clean: bool = True) -> None:
         """Stop every rank and leave the process group with them, releasing rank 0's decode
         graphs, then wait for this host's ranks to exit (politely, then by force). `clean`:
-        no step failed; the ranks destroy the group then, unless one has died meanwhile."""
+        the caller saw the device go idle; the ranks destroy the group then, unless a step
+        was dropped part-way or a rank has died or gone meanwhile, where they abort it."""
         if self.closed:
             return
         self.closed = True
         if self.watch is not None:
             self.watch.stop()
             clean = clean and self.watch.dead is None
-        clean = clean and not any(p is not None and not p.is_alive() for p in self.processes)
+        clean = (clean and not self.out_of_step and not self.lost
+                 and not any(p is not None and not p.is_alive() for p in self.processes))
         for pipe in self.pipes:
             try:
                 if pipe is not None:

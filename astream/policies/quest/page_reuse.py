@@ -3,8 +3,9 @@ offloaded step loads over PCIe only the pages its rows did not select the step b
 
 A real model's choice moves slowly: on Qwen2.5-Coder-0.5B with natural text, 61-75% of a
 step's pages had been chosen by the step before too (benchmarks/quest_locality.py). Per
-offloaded sparse layer, each decode row keeps one buffer of C pages per KV head (C = the
-selection's width) and the physical page id each slot holds. A step's plan reads nothing
+offloaded sparse layer, each decode row keeps one buffer of C pages per KV head (C: the
+selection's width, or more where a prefetch loads a wider prediction into it) and the
+physical page id each slot holds. A step's plan reads nothing
 on the host, so it runs inside the decode graph:
 
 - a row's slots count only while it holds the same life of the same sequence's block
@@ -98,11 +99,11 @@ class PageReuse:
     loaded: Tensor | None = None     # [layers, (EARLY, LATE)] int64 pages loaded into slots (device)
     disabled: bool = False           # a buffer could not be allocated: no new ones
 
-    def layer(self, layer: int, kv_heads: int, width: int, page_size: int, head_dim: int,
+    def layer(self, layer: int, kv_heads: int, slots: int, page_size: int, head_dim: int,
               dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-        """(k, v [rows, KVH, width * page_size, D], held [rows, KVH, width], owner [rows, KVH]),
+        """(k, v [rows, KVH, slots * page_size, D], held [rows, KVH, slots], owner [rows, KVH]),
         or None where the device had no memory for them (then steps gather as without)."""
-        shape = (self.rows, kv_heads, width * page_size, head_dim)
+        shape = (self.rows, kv_heads, slots * page_size, head_dim)
         found = self.buffers.get(layer)
         if found is not None and tuple(found[0].shape) == shape:
             return found
@@ -111,7 +112,7 @@ class PageReuse:
         try:
             found = (torch.empty(shape, dtype=dtype, device=device),
                      torch.empty(shape, dtype=dtype, device=device),
-                     torch.full(shape[:2] + (width,), -1, dtype=torch.int64, device=device),
+                     torch.full(shape[:2] + (slots,), -1, dtype=torch.int64, device=device),
                      torch.full(shape[:2], -1, dtype=torch.int64, device=device))
         except torch.cuda.OutOfMemoryError:
             # Buffers already handed out stay: a captured graph may still read them.
