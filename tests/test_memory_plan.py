@@ -65,7 +65,7 @@ def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_form
     # fp8 rows and their bf16 copy (6 GiB), more than a ring slot dequantized (4 GiB).
     assert mem.prefill_context == 4096 * (2 * layer_block + layer_block) == 6 * GiB
     # The decode graphs' sampling tables and workspace, a row per captured batch row.
-    assert mem.graph_sampling == max_num_seqs * 151936 * (4 + 4 + 1 + 1 + 24)
+    assert mem.graph_sampling == max_num_seqs * 151936 * (4 + 4 + 1 + 1 + 40)
     assert mem.device_total == sum((mem.weights, mem.device_kv, mem.ring, mem.staging, mem.tails,
                                     mem.policy_metadata, mem.prefill_context, mem.graph_sampling,
                                     mem.activations))
@@ -95,7 +95,7 @@ def test_graph_sampling_is_planned_only_where_decode_graphs_may_run():
     _, eager = plan_million(64, enforce_eager=True)
     _, capped = plan_million(64, cuda_graph_max_batch=16)
     assert eager.memory.graph_sampling == 0
-    assert capped.memory.graph_sampling == 16 * 151936 * 34
+    assert capped.memory.graph_sampling == 16 * 151936 * 50
 
 
 def test_the_pool_stays_within_what_the_host_has():
