@@ -149,6 +149,10 @@ def capture_fails() -> dict:
         spec = graph_spec(core.config, core.plan, core.runner)
         gc.collect()
         torch.cuda.synchronize()
+        # torch keeps a cuBLAS workspace per (handle, stream) from the caching allocator, one
+        # for a capture's stream too, failed or not: a cache, not the graphs' memory. Both
+        # counts below leave them out.
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         held = None
@@ -166,8 +170,6 @@ def capture_fails() -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         after = torch.cuda.memory_reserved()
-        # torch keeps a cuBLAS workspace per (handle, stream) from the caching allocator, one
-        # for the capture's stream too, failed or not: a cache, not the graphs' memory.
         torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         without_workspaces = torch.cuda.memory_reserved()
