@@ -157,13 +157,12 @@ class OffloadAttention:
         if reused is None:
             dk, dv = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
         else:                                   # the pages sit in the rows' slots, in any order
-            dk, dv, _ = reused
+            dk, dv, slot_list = reused
         tokens = dk.shape[2]                    # a buffer may hold more slots than pages picked
         if tokens not in self.gathered_views:   # the same shapes on the sparse layers of a step
             self.gathered_views[tokens] = _gathered_view(rows, heads, picked, tokens, q.device)
-        own_block, page_list, every_token = self.gathered_views[tokens]
-        if reused is not None:
-            page_list = reused[2]
+        own_block, in_order, every_token = self.gathered_views[tokens]
+        page_list = in_order if reused is None else slot_list
         part = self.backends.paged_decode_selected(
             q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
             every_token, page_size=chosen.page_size, scale=self.scale,

@@ -107,14 +107,7 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, previous_ids: torch.Te
     """Repetition first (prompt and output), then frequency and presence (output only), as
     vLLM orders them."""
     counts = torch.zeros(pen.rows.shape[0], logits.shape[1], dtype=logits.dtype, device=logits.device)
-    one = torch.ones((), dtype=logits.dtype, device=logits.device)
-    counts.index_put_((pen.generated[0], pen.generated[1]), one.expand(pen.generated.shape[1]),
-                      accumulate=True)
-    if pen.pending_rows is not None:
-        if previous_ids is None:
-            raise RuntimeError("a penalized row with a pending token needs the previous step's ids")
-        counts.index_put_((pen.pending_rows, previous_ids[pen.pending_src]),
-                          one.expand(pen.pending_rows.shape[0]), accumulate=True)
+    count_output_tokens(counts, pen, previous_ids)
     seen = counts > 0
     repeated = seen
     if pen.prompt is not None:
@@ -122,6 +115,25 @@ def apply_penalties(logits: torch.Tensor, pen: Penalties, previous_ids: torch.Te
                                   torch.ones((), dtype=torch.bool, device=logits.device))
     rows = penalize(logits.index_select(0, pen.rows), counts, seen, repeated, pen.values)
     return logits.index_copy(0, pen.rows, rows)
+
+
+def count_output_tokens(counts: torch.Tensor, pen: Penalties, previous_ids: torch.Tensor | None,
+                        table_rows: torch.Tensor | None = None) -> None:
+    """Add each penalized row's known output tokens, and its newest one still only on the
+    device (in `previous_ids`), to counts [rows, V] in place: at the row's penalty index, or
+    at table_rows[index] where given (a table of the whole batch)."""
+    def at(index: torch.Tensor) -> torch.Tensor:
+        return index if table_rows is None else table_rows[index]
+
+    # A full tensor, not a Python scalar: a value copied to the device waits for the queue.
+    one = torch.ones((), dtype=counts.dtype, device=counts.device)
+    counts.index_put_((at(pen.generated[0]), pen.generated[1]), one.expand(pen.generated.shape[1]),
+                      accumulate=True)
+    if pen.pending_rows is not None:
+        if previous_ids is None:
+            raise RuntimeError("a penalized row with a pending token needs the previous step's ids")
+        counts.index_put_((at(pen.pending_rows), previous_ids[pen.pending_src]),
+                          one.expand(pen.pending_rows.shape[0]), accumulate=True)
 
 
 def penalize(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor, repeated: torch.Tensor,

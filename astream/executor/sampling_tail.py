@@ -37,7 +37,7 @@ import torch
 
 from astream.base.sampling import MAX_LOGPROBS
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
-from astream.executor.penalties import LogitsProcessing, penalize
+from astream.executor.penalties import LogitsProcessing, count_output_tokens, penalize
 from astream.executor.sampler import SamplingBatch, choose
 
 
@@ -117,19 +117,12 @@ class SamplingTables:
                 table[:self.dirty].zero_()
         self.penalties[:2, :size].zero_()
         self.penalties[2, :size].fill_(1.0)
-        # Full tensors, not Python scalars: a value copied to the device waits for the queue.
-        one = torch.ones((), dtype=torch.float32, device=self.counts.device)
+        # A full tensor, not a Python scalar: a value copied to the device waits for the queue.
         true = torch.ones((), dtype=torch.bool, device=self.counts.device)
         pen = processing.penalties
         if pen is not None:
             self.penalties.index_copy_(1, pen.rows, pen.values)
-            self.counts.index_put_((pen.rows[pen.generated[0]], pen.generated[1]),
-                                   one.expand(pen.generated.shape[1]), accumulate=True)
-            if pen.pending_rows is not None:
-                if previous_ids is None:
-                    raise RuntimeError("a penalized row with a pending token needs the previous step's ids")
-                self.counts.index_put_((pen.rows[pen.pending_rows], previous_ids[pen.pending_src]),
-                                       one.expand(pen.pending_rows.shape[0]), accumulate=True)
+            count_output_tokens(self.counts, pen, previous_ids, table_rows=pen.rows)
             if pen.prompt is not None:
                 self.prompt.index_put_((pen.rows[pen.prompt[0]], pen.prompt[1]), true)
         if processing.banned is not None:

@@ -103,7 +103,7 @@ class Decoder:
         of the query, made before the layers in between have run."""
         cfg, w = self.config, self.weights.layers[layer]
         rows = cfg.num_heads * cfg.head_dim
-        x = layer_ref.rms_norm_ref(hidden, w.input_norm, cfg.rms_norm_eps)
+        x = self.kernels.add_rms_norm(hidden, None, w.input_norm, cfg.rms_norm_eps)[0]
         q = F.linear(x, w.qkv[:rows], None if w.qkv_bias is None else w.qkv_bias[:rows])
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         if w.q_norm is not None:
