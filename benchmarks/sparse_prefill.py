@@ -9,6 +9,11 @@ per layer against dense, and end-to-end prefill against Full.
   itself): dense (the engine's varlen kernel) against XAttention's scoring, selection and
   sparse attention. Random inputs have no structure, so the cumulative threshold keeps
   about that share of blocks: the thresholds sweep the density.
+- estimate: the last chunk of a long prompt (--estimate-prefixes, --estimate-chunk queries
+  after them), one layer: XAttention's scoring with its key tiles in one walk per program
+  (key_splits=1) and split to fill the GPU, the block selection, the kept-block lists and the
+  block-sparse attention at the density of --estimate-threshold, each 3 times (min / median /
+  max ms); the two scorings' largest difference relative to the largest score.
 - e2e: prefill of one prompt on a Qwen3-4B-shaped engine (random weights), Full and
   XAttention (default threshold 0.9; --e2e-thresholds adds lower ones, which on random
   weights keep about a real model's share of blocks), with the density it kept;
@@ -174,6 +179,40 @@ def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
                               "attend": round(attend_t.seconds * 1e3, 2)}}
 
 
+def estimate_rows(prefixes: list[int], chunk: int, threshold: float, device, dtype,
+                  repeat: int) -> list[dict]:
+    from astream.ops.triton_xattention_scores import antidiagonal_scores_triton
+    scale, block, stride = DIM ** -0.5, 128, 8
+    rows = []
+    for prefix in prefixes:
+        n_k = prefix + chunk
+        q, k, v = random_qkv(chunk, n_k, device, dtype, seed=n_k)
+
+        def score(splits=None):
+            if device.type != "cuda":
+                return xa.antidiagonal_scores(q, k, block=block, stride=stride, scale=scale)
+            return antidiagonal_scores_triton(q, k, block=block, stride=stride, scale=scale,
+                                              key_splits=splits)
+        one, split = score(1), score()
+        mask = xa.select_blocks_ref(split, threshold=threshold, n_q=chunk, n_k=n_k, block=block)
+        row = {"prefix": prefix, "chunk": chunk, "threshold": threshold,
+               "density": round(xa.density(mask, chunk, n_k, block), 4),
+               "splits_vs_one_err": rel_error(split, one), "ms": {
+                   "score_one_walk": _timed(lambda: score(1), repeat),
+                   "score_split": _timed(score, repeat),
+                   "select": _timed(lambda: xa.select_blocks_ref(
+                       split, threshold=threshold, n_q=chunk, n_k=n_k, block=block), repeat),
+                   "kept_lists": _timed(lambda: kept_block_lists(mask), repeat),
+                   "attend": _timed(lambda: xa.block_sparse_attention(q, k, v, mask, block=block,
+                                                                      scale=scale), repeat)}}
+        rows.append(row)
+        print(row, flush=True)
+        del q, k, v, one, split, mask
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _layout(device, dtype):
     from astream.policies import KVLayout
     return KVLayout(1, HEADS, KV_HEADS, DIM, 1, 16, dtype, device, offload=False, key_dtype=dtype,
@@ -260,6 +299,11 @@ def main() -> None:
     parser.add_argument("--tune-slash", type=int, default=500)
     parser.add_argument("--e2e-minference-slash", default="",
                         help="MInference diagonal counts of the e2e section (none by default)")
+    parser.add_argument("--estimate-prefixes", default="131072,262144,524288,1015808",
+                        help="estimate: the prefixes before the timed chunk")
+    parser.add_argument("--estimate-chunk", type=int, default=32768)
+    parser.add_argument("--estimate-threshold", type=float, default=0.15,
+                        help="estimate: random inputs keep about this share of blocks")
     parser.add_argument("--chunk", type=int, default=16384)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokenizer", default=None)
@@ -286,6 +330,10 @@ def main() -> None:
     if "tune" in sections:
         n_q, n_k = (256, 1024) if args.smoke else (16384, 32768)
         result["tune"] = tune_rows(device, dtype, n_q, n_k, 100 if args.smoke else args.tune_slash)
+    if "estimate" in sections:
+        prefixes = [768] if args.smoke else [int(p) for p in args.estimate_prefixes.split(",")]
+        result["estimate"] = estimate_rows(prefixes, 256 if args.smoke else args.estimate_chunk,
+                                           args.estimate_threshold, device, dtype, args.repeat)
     if "e2e" in sections:
         result["e2e"] = e2e_rows(contexts, args, device)
     save("sparse_prefill", result, smoke=args.smoke)

@@ -182,39 +182,45 @@ SCORE_CASES = [(300, 300, 4, 2, 32, 64, 8), (200, 1100, 2, 1, 64, 128, 8),
                (1100, 1503, 2, 1, 16, 64, 8)]     # query slices end inside a key group
 
 
-def check_triton_scores(device: str, tol: float = 1e-4, scratch: float = 0) -> int:
-    """`scratch` > 0 bounds the kernel's scratch bytes, so long chunks go in query slices."""
+def check_triton_scores(device: str, tol: float = 1e-4, scratch: float = 0,
+                        splits: float = 0) -> int:
+    """`scratch` > 0 bounds the kernel's scratch bytes, so long chunks go in query slices;
+    `splits` > 0 splits each program's key tiles that many ways (0: the kernel's choice)."""
     from astream.ops import triton_xattention_scores as kernels
     default, kernels.SCRATCH_BYTES = kernels.SCRATCH_BYTES, int(scratch) or kernels.SCRATCH_BYTES
     try:
         for case in enumerate(SCORE_CASES):
-            _check_scores_case(device, tol, *case)
+            _check_scores_case(device, tol, *case, splits=int(splits) or None)
     finally:
         kernels.SCRATCH_BYTES = default
     return len(SCORE_CASES)
 
 
-def _check_scores_case(device, tol, i, case):
+def _check_scores_case(device, tol, i, case, splits=None):
     from astream.ops.triton_xattention_scores import antidiagonal_scores_triton
     n_q, n_k, heads, kvh, dim, block, stride = case
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, _ = (x.to(device) for x in random_qkv(n_q, n_k, heads, kvh, dim, seed=60 + i, dtype=dtype))
-    got = antidiagonal_scores_triton(q, k, block=block, stride=stride, scale=dim ** -0.5)
+    got = antidiagonal_scores_triton(q, k, block=block, stride=stride, scale=dim ** -0.5,
+                                     key_splits=splits)
     want = xa.antidiagonal_scores_ref(q, k, block=block, stride=stride, scale=dim ** -0.5)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
-@pytest.mark.parametrize("scratch", [0, 4096], ids=["one-launch", "query-slices"])
-def test_triton_scores_interpreter_match_reference(scratch):
+@pytest.mark.parametrize("scratch,splits", [(0, 0), (4096, 0), (0, 4), (4096, 2)],
+                         ids=["one-launch", "query-slices", "key-splits", "both"])
+def test_triton_scores_interpreter_match_reference(scratch, splits):
     assert run_interpreted_check("test_xattention", "check_triton_scores", 1e-4,
-                                 scratch) == len(SCORE_CASES)
+                                 scratch, splits) == len(SCORE_CASES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_scores_on_gpu_match_reference():
     assert check_triton_scores("cuda", tol=1e-2) == len(SCORE_CASES)
     assert check_triton_scores("cuda", tol=1e-2, scratch=4096) == len(SCORE_CASES)
+    assert check_triton_scores("cuda", tol=1e-2, splits=8) == len(SCORE_CASES)
+    assert check_triton_scores("cuda", tol=1e-2, scratch=4096, splits=64) == len(SCORE_CASES)
 
 
 # ---- through the engine ----------------------------------------------------------------
