@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: model shapes, workloads, timing and result files."""
+"""Shared pieces of the benchmarks: model shapes, workloads, timing, greedy tokens compared,
+and result files."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -17,6 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from astream.models.loader import default_model_path  # noqa: E402
+
+if TYPE_CHECKING:
+    from astream.base.outputs import StreamToken
+    from astream.base.sampling import SamplingParams
+    from astream.core.engine_core import EngineCore
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -83,6 +89,36 @@ def random_workload(n: int, lo: int, hi: int, out_lo: int, out_hi: int, seed: in
     outs = torch.randint(out_lo, out_hi + 1, (n,), generator=gen).tolist()
     return [(torch.randint(100, vocab, (length,), generator=gen).tolist(), out)
             for length, out in zip(lens, outs)]
+
+
+def run_requests(core: EngineCore, tag: str, prompts: list[list[int]],
+                 params: list[SamplingParams]) -> list[list[StreamToken]]:
+    """Each request's tokens (StreamTokens, the final marker left out)."""
+    sinks = [core.add_request(f"{tag}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+    while not all(sink.tokens and sink.tokens[-1].finish_reason for sink in sinks):
+        core.step()
+    return [[t for t in sink.tokens if t.token_id >= 0] for sink in sinks]
+
+
+def top2_margins(tokens: list[StreamToken]) -> list[float]:
+    """Each token's top-2 logprob margin (tokens of a request that asked for 2 or more)."""
+    return [t.top_logprobs[0][1] - t.top_logprobs[1][1] for t in tokens]
+
+
+def agreement(reference: list[list[int]], margins: list[list[float]], got: list[list[int]],
+              tie: float) -> dict:
+    """Rows identical, and where one parts from the reference: the step and the reference's
+    top-2 margin there (a part within `tie` is a near tie, not an error)."""
+    parts = []
+    for row, (want, have) in enumerate(zip(reference, got)):
+        step = next((i for i, (x, y) in enumerate(zip(want, have)) if x != y), None)
+        if step is None and len(want) != len(have):
+            step = min(len(want), len(have))
+        if step is not None:
+            margin = margins[row][step] if step < len(margins[row]) else float("inf")
+            parts.append({"row": row, "step": step, "margin": round(margin, 4)})
+    return {"identical": len(reference) - len(parts), "parts": parts,
+            "ok": all(p["margin"] <= tie for p in parts)}
 
 
 def sync() -> None:

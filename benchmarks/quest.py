@@ -92,6 +92,31 @@ Sections (the section's own options after its name; defaults in brackets):
   policy's rule; on, off, or several in turn) --shape [qwen3-4b] --steps [10]; --smoke:
   the tiny shape, 64-token blocks, groups of 4 pages, contexts 2048x1,1024x2.
 
+- `agreement`: two runs that must give the same greedy tokens at long contexts, random weights
+  (--shape [qwen3-4b]; --smoke: tiny), prompts of random ids (common.synthetic_tokenizer
+  unless --tokenizer: a device command carries nothing). --checks [covering,offload]:
+  - `covering`: offloaded Quest at a budget that covers the context against offloaded Full,
+    in one engine over one context written into the host pool as `filled` writes it (--ctx
+    [1048576], --kv-dtypes [fp8_e4m3], --groups [auto]; the budget is the context). Full runs
+    first (a budget no context reaches: every layer's context through the ring), then Quest,
+    told to select from the first decode step (set_budget's select_above: a budget that
+    covers the context would otherwise be read densely), so every page is picked and gathered
+    from the host pool. Both prefill the prompt's last block alike. The row fails unless
+    every selection of every sparse layer read every host page of its context (`every_page`,
+    the engine's Quest counters) and the Full run selected none (`full_dense`).
+  - `offload`: Full attention resident (the reference) against offloaded, one engine each,
+    the same random prompt prefilled in both (--ctx [65536], --kv-dtypes [auto]). Dummy weights
+    come from a generator seeded alike, so two engines on one device hold the same ones
+    (`same_weights` compares sums of three of them; the row fails without).
+  Each run generates --steps [16] greedy tokens (the first from the prefill) with their top-2
+  logprobs. Figures: `identical_tokens` before the runs part, `logprob_drift` (the largest
+  difference of a token's logprob before that: how far rounding moved the runs apart), and
+  each run's seconds. Info: both runs' tokens and, where they part, the step and the top-2
+  margins there (`margin`, the reference's; `compared_margin`). On the CPU (float32) a row
+  fails at any parting or a drift beyond 1e-4; in bf16, where random weights' logits nearly
+  tie, only at a parting whose reference margin is beyond --tie [0.25] nats. --eager; --smoke:
+  contexts 2048 (covering) and 1024 (offload), 6 tokens.
+
 A run of `speed` with --repeats 1 reports min / median / max of its --steps steps, as one
 run of the engine.
 """
@@ -101,6 +126,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import math
 import random
 import statistics
 import time
@@ -110,20 +136,27 @@ from typing import Iterator
 
 import torch
 
-from common import cuda_times_ms, engine_core, shaped_model, smollm2  # noqa: I001
+from common import (agreement, cuda_times_ms, engine_core, run_requests, shaped_model,  # noqa: I001
+                    smollm2, synthetic_tokenizer, top2_margins)
 from astream.base.config import EngineConfig
+from astream.base.outputs import StreamToken
 from astream.base.sampling import SamplingParams
 from astream.core.engine_core import EngineCore
 from astream.policies import QuestPolicy
 
 SECTIONS = ("speed", "kernels", "kernel_sweep", "layouts", "select_sweep", "locality", "profile",
-            "reuse", "filled", "prefetch")
+            "reuse", "filled", "prefetch", "agreement")
 FULL = 1 << 40                                   # a budget no context reaches: the dense path
 PAGE_ELEMENTS = 16 * 128 * 2                     # one KV head's page: 16 tokens x 128 x K,V
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16       # the Qwen3-4B/8B attention shape, Quest's page
 KERNEL_BLOCK, HOST_BLOCK = 16, 256               # `kernels`: KV block; gather's host pool block
 SWEEP_BLOCK = 256                                # the sweeps: KV block, as the engine's at 128K
 ERR_LIMIT = 1e-2
+# `agreement`, bf16: runs that sum in another order part where random weights' top two logits
+# are a bf16 step or two apart (0.0625 and 0.125 seen) and, between TP sizes, up to 0.19
+# (tensor_parallel.py's check, which allows the same): a parting within it is rounding.
+TIE = 0.25
+EXACT_DRIFT = 1e-4               # float32: a logprob two exact runs may differ by (rounding)
 
 # Defaults that differ by section (None in the parser).
 DEFAULTS = {
@@ -139,6 +172,7 @@ DEFAULTS = {
     "filled": dict(steps=10, kv_dtypes="fp8_e4m3", cases="1048576x1", budgets="4096",
                    shape="qwen3-4b"),
     "prefetch": dict(steps=24, kv_dtypes="auto", cases="32768x2", budget=2048),
+    "agreement": dict(steps=16, checks="covering,offload", shape="qwen3-4b"),
 }
 SMOKE = {
     "speed": dict(steps=3, kv_dtypes="auto"),
@@ -152,6 +186,7 @@ SMOKE = {
     "filled": dict(steps=3, kv_dtypes="fp8_e4m3", cases="2048x1,1024x2", budgets="128",
                    shape="tiny"),
     "prefetch": dict(steps=6, kv_dtypes="auto", cases="600x2", budget=64),
+    "agreement": dict(steps=6, checks="covering,offload", shape="tiny"),
 }
 
 
@@ -160,12 +195,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed a run")
     parser.add_argument("--cases", default=None,
                         help="speed, filled: CTXxBATCH cases, e.g. 4096x1,131072x1")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer folder (default: SmolLM2's; agreement: a synthetic one)")
     parser.add_argument("--budgets", default=None, help="speed: e.g. full,4096; locality: 1024,2048")
     parser.add_argument("--budget", type=int, default=None, help="one budget, tokens")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     parser.add_argument("--kv-dtypes", default=None,
-                        help="speed, filled: KV dtypes in turn, e.g. auto,fp8_e4m3")
+                        help="speed, filled, agreement: KV dtypes in turn, e.g. auto,fp8_e4m3")
     parser.add_argument("--layer-kernels", default="",
                         help="speed: decoder kernels in turn, e.g. reference,triton "
                              "(default: the engine's own choice)")
@@ -184,13 +220,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed calls of a kernel a run")
     parser.add_argument("--contexts", default=None, help="the kernel sections' contexts")
     parser.add_argument("--batches", default=None, help="the kernel sections' batch sizes")
-    parser.add_argument("--ctx", default=None, help="locality, profile, reuse: context tokens")
+    parser.add_argument("--ctx", default=None,
+                        help="locality, profile, reuse, agreement: context tokens")
     parser.add_argument("--model", default=None,
                         help="locality, reuse: a GGUF file or model folder, or a shape name")
-    parser.add_argument("--shape", default=None, help="filled: a model shape (common.SHAPES)")
+    parser.add_argument("--shape", default=None,
+                        help="filled, agreement: a model shape (common.SHAPES)")
     parser.add_argument("--groups", default="auto",
-                        help="filled: Quest's two-level selection auto (the policy's rule), on or "
-                             "off, or several in turn: off,on")
+                        help="filled, agreement: Quest's two-level selection auto (the policy's "
+                             "rule), on or off, or several in turn: off,on")
+    parser.add_argument("--checks", default=None,
+                        help="agreement: covering (Quest at a covering budget against Full, "
+                             "offloaded) and/or offload (offloaded Full against resident)")
+    parser.add_argument("--tie", type=float, default=TIE,
+                        help=f"agreement, bf16: the reference's top-2 logprob margin two runs may "
+                             f"part at [{TIE}]")
 
 
 def cases(options) -> Iterator[tuple[dict, object]]:
@@ -234,17 +278,19 @@ def pipelined_steps(core: EngineCore, steps: int) -> list[float]:
 
 
 def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto",
-               **policy) -> None:
+               select_above: int | None = None, **policy) -> None:
     """The engine's Quest runtime given `budget` (and other `policy` fields), its graphs
-    captured again."""
+    captured again. Decode selects pages once a context passes `select_above` tokens (None:
+    the budget, as the policy binds; a budget that covers the context then reads it densely)."""
     from astream.executor.build import build_graphs
     from astream.ops.layer_kernels import LayerKernels
     runtime = core.runner.policy
     runtime.policy = quest = dataclasses.replace(runtime.policy, budget_tokens=budget, **policy)
     # Page buffers exist where the engine started with them; a run without turns them off.
     buffered = runtime.reuse is not None and quest.buffer_pages > 0
-    runtime.traits = dataclasses.replace(runtime.traits, select_above=budget, loads_pages=buffered,
-                                         prefetches=buffered and quest.prefetch > 0)
+    runtime.traits = dataclasses.replace(
+        runtime.traits, select_above=budget if select_above is None else select_above,
+        loads_pages=buffered, prefetches=buffered and quest.prefetch > 0)
     core.runner.decoder.kernels = LayerKernels(kernels)
     # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
     core.runner.graphs = None
@@ -1045,38 +1091,49 @@ def filled_row(core: EngineCore, steps: int, prefill_s: float, info: dict) -> di
     return row
 
 
+def filled_config(o, kv: str, ctx: int, batch: int, budget: int, tokenizer: str) -> EngineConfig:
+    """An offloaded engine with Quest at `budget` for `batch` sequences of `ctx` tokens, whose
+    cache kv_fill can write (`fill_contexts`)."""
+    # The tiny shape's 64-token blocks hold one group of 4 pages: every path is on.
+    return EngineConfig(
+        model=str(shaped_model(o.shape, max_positions=ctx)), load_format="dummy",
+        tokenizer=tokenizer, device=o.device, dtype="float32" if o.device == "cpu" else "bfloat16",
+        offload=True, kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx,
+        max_num_batched_tokens=16384, enforce_eager=o.eager,
+        sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=1 if o.smoke else 2,
+                                  **({"group_pages": 4} if o.shape == "tiny" else {})),
+        **({"kv_block_size": 64} if o.shape == "tiny" else {}))
+
+
+def fill_contexts(core: EngineCore, ctx: int, batch: int, info: dict) -> list[list[int]]:
+    """`batch` random prompts of `ctx` tokens less one block, their KV but the last block's
+    written into the host pool (kv_fill); `fill_s` and `filled_tokens` go to `info`."""
+    from kv_fill import fill_prefix
+    block = core.plan.block_size
+    gen = torch.Generator().manual_seed(ctx)
+    prompts = [torch.randint(100, 49152, (ctx - block,), generator=gen).tolist() for _ in range(batch)]
+    start = time.perf_counter()
+    filled = [fill_prefix(core, prompt, seed=i) for i, prompt in enumerate(prompts)]
+    info.update(fill_s=round(time.perf_counter() - start, 2), filled_tokens=filled[0])
+    return prompts
+
+
 def filled_cases(o):
     """`filled`: decode steps over contexts written straight into the host pool (kv_fill),
     one engine per (kv dtype, case), sized by the engine itself from max_model_len = the
     case's context; the prompt is that context less one block, whose prefill is the first
     step (it attends to the whole context)."""
-    from kv_fill import fill_prefix
-    smoke = o.smoke
     groups = o.groups.split(",")
     budgets = [int(b) for b in o.budgets.split(",")]
     for kv in o.kv_dtypes.split(","):
         for ctx, batch in parse_cases(o.cases):
-            # The tiny shape's 64-token blocks hold one group of 4 pages: every path is on.
-            config = EngineConfig(
-                model=str(shaped_model(o.shape, max_positions=ctx)), load_format="dummy",
-                tokenizer=o.tokenizer or smollm2(), device=o.device,
-                dtype="float32" if o.device == "cpu" else "bfloat16", offload=True,
-                kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx,
-                max_num_batched_tokens=16384, enforce_eager=o.eager,
-                sparse_policy=QuestPolicy(budget_tokens=max(budgets), dense_layers=1 if smoke else 2,
-                                          **({"group_pages": 4} if o.shape == "tiny" else {})),
-                **({"kv_block_size": 64} if o.shape == "tiny" else {}))
+            config = filled_config(o, kv, ctx, batch, max(budgets), o.tokenizer or smollm2())
             start = time.perf_counter()
             with engine_core(config) as core:
                 info = pool_figures(core, time.perf_counter() - start)
-                block = core.plan.block_size
-                params = SamplingParams(temperature=0.0, max_tokens=block - 1, ignore_eos=True)
-                gen = torch.Generator().manual_seed(ctx)
-                prompts = [torch.randint(100, 49152, (ctx - block,), generator=gen).tolist()
-                           for _ in range(batch)]
-                start = time.perf_counter()
-                filled = [fill_prefix(core, prompt, seed=i) for i, prompt in enumerate(prompts)]
-                info.update(fill_s=round(time.perf_counter() - start, 2), filled_tokens=filled[0])
+                params = SamplingParams(temperature=0.0, max_tokens=core.plan.block_size - 1,
+                                        ignore_eos=True)
+                prompts = fill_contexts(core, ctx, batch, info)
                 sinks = [core.add_request(f"f{i}", prompt, params) for i, prompt in enumerate(prompts)]
                 start = time.perf_counter()
                 while not all(sink.tokens for sink in sinks):
@@ -1154,8 +1211,142 @@ def prefetch_cases(o):
                        partial(prefetch_row, info, same, batch, o.device == "cpu"))
 
 
+# ---------------------------------------------------------------- the same tokens at long contexts
+
+# Per check, where --ctx and --kv-dtypes name none: its context (with --smoke) and KV dtype.
+AGREEMENT_CONTEXTS = {"covering": 1048576, "offload": 65536}
+AGREEMENT_SMOKE_CONTEXTS = {"covering": 2048, "offload": 1024}
+AGREEMENT_KV = {"covering": "fp8_e4m3", "offload": "auto"}
+
+
+def parting(reference: list[StreamToken], got: list[StreamToken],
+            limits: tuple[float, float]) -> dict:
+    """Two greedy runs of one prompt (tokens with their top-2 logprobs) against each other:
+    `identical_tokens` before they part; where they part, the step and both runs' top-2
+    margins there (in nats, the logits' difference); `logprob_drift`, the largest difference
+    of a token's logprob before that, which is how far rounding moved the two runs apart.
+    `limits` (tie, drift): a parting beyond `tie` of the reference's top two, or a drift
+    beyond `drift`, fails the row."""
+    tie, drift_limit = limits
+    ids = [[t.token_id for t in run] for run in (reference, got)]
+    found = agreement(ids[:1], [top2_margins(reference)], ids[1:], tie)
+    part = found["parts"][0] if found["parts"] else None
+    same = part["step"] if part else len(reference)
+    if part is not None:
+        del part["row"]
+        part["compared_margin"] = round(top2_margins(got)[same], 4) if same < len(got) else None
+    drift = max((abs(a.logprob - b.logprob) for a, b in zip(reference[:same], got[:same])),
+                default=0.0)
+    return {"identical_tokens": same, "logprob_drift": round(drift, 6),
+            "info": {"tokens": len(reference), "parting": part, "reference": ids[0],
+                     "compared": ids[1], "ok": found["ok"] and drift <= drift_limit}}
+
+
+def timed_run(core: EngineCore, tag: str, prompt: list[int],
+              steps: int) -> tuple[list[StreamToken], float]:
+    """`steps` greedy tokens of `prompt` with their top-2 logprobs, and the seconds they took."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=2)
+    start = time.perf_counter()
+    tokens = run_requests(core, tag, [prompt], [params])[0]
+    core.runtime.synchronize()
+    return tokens, round(time.perf_counter() - start, 2)
+
+
+def covering_row(o, kv: str, ctx: int, group: str, limits: tuple[float, float]) -> dict:
+    """`covering`: one offloaded engine over one filled context: Full (a budget no context reaches,
+    which reads every layer through the ring), then Quest at a budget of the whole context,
+    selecting from the first decode step, so every page of the context is picked and
+    gathered. Both prefill the prompt's last block the same way (the prefix cache never
+    hands out a prompt's last block), so the runs part only where decode differs."""
+    start = time.perf_counter()
+    with engine_core(filled_config(o, kv, ctx, 1, ctx, o.tokenizer or synthetic_tokenizer())) as core:
+        info = pool_figures(core, time.perf_counter() - start)
+        block, page = core.plan.block_size, core.runner.policy.policy.page_size
+        if o.steps >= block:
+            raise SystemExit(f"--steps must be below the KV block ({block} tokens): the prompt "
+                             f"leaves one block of the context for them")
+        prompt = fill_contexts(core, ctx, 1, info)[0]
+        kernels = core.runner.decoder.kernels.name
+        set_budget(core, FULL, kernels, **GROUPS[group])
+        start_stats = core.stats()
+        full, full_s = timed_run(core, "full", prompt, o.steps)
+        set_budget(core, ctx, kernels, select_above=0, **GROUPS[group])
+        before = core.stats()
+        quest, quest_s = timed_run(core, "quest", prompt, o.steps)
+        after = core.stats()
+        heads = core.runner.decoder.config.num_kv_heads
+        sparse = [layer for layer, b in enumerate(core.runner.policy.bounds) if b is not None]
+    read, rows = ([a - b for a, b in zip(after[key], before[key])]
+                  for key in ("quest_pages_read", "quest_selections"))
+    # A decode step selects among the host blocks before its newest token's: every page of them.
+    steps = o.steps - 1
+    pages = sum((len(prompt) + t) // block * block // page for t in range(steps))
+    every_page = all(read[layer] == heads * pages and rows[layer] == heads * steps for layer in sparse)
+    full_dense = sum(before["quest_selections"]) == sum(start_stats["quest_selections"])
+    row = parting(full, quest, limits)
+    row["info"].update(info, every_page=every_page, full_dense=full_dense,
+                       pages_per_selection=round(read[-1] / max(rows[-1], 1), 2),
+                       context_pages=round(pages / max(steps, 1), 2),
+                       ok=row["info"]["ok"] and every_page and full_dense)
+    return {**row, "seconds_full": full_s, "seconds_quest": quest_s}
+
+
+def weights_fingerprint(core: EngineCore) -> list[float]:
+    """Sums of the first and last weights drawn and one between: equal in two engines only
+    where their random weights are."""
+    weights = core.runner.decoder.weights
+    return [t.float().sum().item() for t in (weights.embed[:4096], weights.layers[0].qkv,
+                                            weights.layers[-1].down)]
+
+
+def offload_row(o, kv: str, ctx: int, limits: tuple[float, float]) -> dict:
+    """`offload`: Full attention, resident (the reference) and offloaded, one engine each over the
+    same random weights (load_format="dummy" draws them from a generator seeded alike):
+    each prefills the prompt and decodes greedily."""
+    tiny = o.shape == "tiny"
+    base = dict(model=str(shaped_model(o.shape, max_positions=ctx + o.steps)), load_format="dummy",
+                tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
+                dtype="float32" if o.device == "cpu" else "bfloat16", kv_cache_dtype=kv,
+                max_num_seqs=1, max_model_len=ctx + o.steps, max_num_batched_tokens=16384,
+                enforce_eager=o.eager, **({"kv_block_size": 16} if tiny else {}))
+    prompt = torch.randint(100, 49152, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist()
+    runs, seconds, weights = {}, {}, {}
+    # Small ring slots, so the tiny shape's context crosses several of them.
+    modes = {"resident": {},
+             "offload": dict(offload=True, **({"offload_slot_tokens": 64} if tiny else {}))}
+    for mode, offload in modes.items():
+        with engine_core(EngineConfig(**base, **offload)) as core:
+            weights[mode] = weights_fingerprint(core)
+            runs[mode], seconds[mode] = timed_run(core, mode, prompt, o.steps)
+        del core                    # so the next engine_core() can hand its memory back
+    row = parting(runs["resident"], runs["offload"], limits)
+    same_weights = weights["resident"] == weights["offload"]
+    row["info"].update(same_weights=same_weights, ok=row["info"]["ok"] and same_weights)
+    return {**row, "seconds_resident": seconds["resident"], "seconds_offload": seconds["offload"]}
+
+
+def agreement_cases(o):
+    """`agreement`: per check, context and KV dtype, one row comparing greedy tokens."""
+    # float32 on the CPU: no parting is a near tie there, and logprobs agree to rounding.
+    limits = (-math.inf, EXACT_DRIFT) if o.device == "cpu" else (o.tie, math.inf)
+    for check in o.checks.split(","):
+        if check not in AGREEMENT_CONTEXTS:
+            raise SystemExit(f"--checks: {check!r} is not one of {', '.join(AGREEMENT_CONTEXTS)}")
+        contexts = ([int(c) for c in o.ctx.split(",")] if o.ctx
+                    else [(AGREEMENT_SMOKE_CONTEXTS if o.smoke else AGREEMENT_CONTEXTS)[check]])
+        for kv in (o.kv_dtypes or AGREEMENT_KV[check]).split(","):
+            for ctx in contexts:
+                params = {"check": check, "kv": kv, "context": ctx, "steps": o.steps}
+                if check == "offload":
+                    yield params, partial(offload_row, o, kv, ctx, limits)
+                    continue
+                for group in o.groups.split(","):
+                    yield ({**params, "budget": ctx, "groups": group},
+                           partial(covering_row, o, kv, ctx, group, limits))
+
+
 SECTION_CASES = {"speed": speed_cases, "kernels": kernels_cases,
                  "kernel_sweep": kernel_sweep_cases, "layouts": layouts_cases,
                  "select_sweep": select_sweep_cases, "locality": locality_cases,
                  "profile": profile_cases, "reuse": reuse_cases, "filled": filled_cases,
-                 "prefetch": prefetch_cases}
+                 "prefetch": prefetch_cases, "agreement": agreement_cases}

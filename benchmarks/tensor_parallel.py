@@ -65,7 +65,8 @@ from typing import Iterator
 
 import torch
 
-from common import engine_core, random_workload, shaped_model, smollm2  # noqa: I001
+from common import (agreement, engine_core, random_workload, run_requests, shaped_model,  # noqa: I001
+                    smollm2, top2_margins)
 from quest import decode_steps, ms, pipelined_steps
 from throughput import astream_run
 from tp_faults import fault_cases
@@ -301,14 +302,6 @@ def graphs_of(core: EngineCore):
     return core.runner.graphs
 
 
-def run_requests(core: EngineCore, tag: str, prompts: list[list[int]], params: list[SamplingParams]):
-    """Each request's tokens (StreamTokens, the final marker left out)."""
-    sinks = [core.add_request(f"{tag}-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
-    while not all(sink.tokens and sink.tokens[-1].finish_reason for sink in sinks):
-        core.step()
-    return [[t for t in sink.tokens if t.token_id >= 0] for sink in sinks]
-
-
 def check_runs(o, shape: str, mode: str, tp: int, prompts, lengths) -> dict:
     """One engine: greedy eagerly (every rank: rank 0's runner has no graphs), with the top
     two logprobs, then greedy from the graphs; at TP=2, temperature rows from the graphs."""
@@ -322,7 +315,7 @@ def check_runs(o, shape: str, mode: str, tp: int, prompts, lengths) -> dict:
         steps, inside = graphs.steps, graphs.sampler.sampled_inside
         graphed = run_requests(core, "graphs", prompts, greedy)
         run = {"eager": [[t.token_id for t in row] for row in eager],
-               "margins": [[t.top_logprobs[0][1] - t.top_logprobs[1][1] for t in row] for row in eager],
+               "margins": [top2_margins(row) for row in eager],
                "graphs": [[t.token_id for t in row] for row in graphed],
                "graph_steps": graphs.steps - steps, "sampled_inside": graphs.sampler.sampled_inside - inside}
         if tp > 1:
@@ -333,22 +326,6 @@ def check_runs(o, shape: str, mode: str, tp: int, prompts, lengths) -> dict:
                                      and graphs.sampler.sampled_inside > inside)
     del core
     return run
-
-
-def agreement(reference: list[list[int]], margins: list[list[float]], got: list[list[int]],
-              tie: float) -> dict:
-    """Rows identical, and where one parts from the reference: the step and the reference's
-    top-2 margin there (a part within `tie` is a near tie, not an error)."""
-    parts = []
-    for row, (want, have) in enumerate(zip(reference, got)):
-        step = next((i for i, (x, y) in enumerate(zip(want, have)) if x != y), None)
-        if step is None and len(want) != len(have):
-            step = min(len(want), len(have))
-        if step is not None:
-            margin = margins[row][step] if step < len(margins[row]) else float("inf")
-            parts.append({"row": row, "step": step, "margin": round(margin, 4)})
-    return {"identical": len(reference) - len(parts), "parts": parts,
-            "ok": all(p["margin"] <= tie for p in parts)}
 
 
 def check_row(o, shape: str, mode: str) -> dict:

@@ -6,6 +6,7 @@ section of the quest benchmark and the GQA recall benchmark run through the harn
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -106,6 +107,9 @@ SMOKE_SECTIONS = {
     "filled": ["--cases", "1024x2", "--groups", "off,on", "--steps", "2"],
     # Its rows are checks (ok: the same tokens with and without prefetch), no figures.
     "prefetch": ["--cases", "300x2", "--steps", "4", "--prefetch", "1.5"],
+    # float32: Quest at a covering budget (two-level selection) gives Full's tokens and
+    # logprobs, reading every page; offloaded Full gives resident Full's.
+    "agreement": ["--groups", "on"],
 }
 
 
@@ -131,6 +135,28 @@ def test_quest_sections_run_through_the_harness(section, tmp_path):
             assert (figure["min"], figure["max"]) == (min(values), max(values)), name
             figures += 1
     assert figures
+
+
+def test_quest_agreement_reports_where_runs_part_and_fails_beyond_the_limits():
+    from quest import parting
+
+    from astream.base.outputs import StreamToken
+
+    def run(ids: list[int], margins: list[float], shift: float = 0.0) -> list[StreamToken]:
+        return [StreamToken("r", i, t, "", logprob=-1.0 + shift,
+                            top_logprobs=((t, -1.0), (7, -1.0 - m)))
+                for i, (t, m) in enumerate(zip(ids, margins))]
+
+    reference = run([5, 6, 8], [0.5, 0.1, 0.4])
+    same = parting(reference, run([5, 6, 8], [0.5, 0.1, 0.4], shift=1e-6), (0.25, 1e-4))
+    assert same["identical_tokens"] == 3 and same["info"]["parting"] is None and same["info"]["ok"]
+    near_tie = parting(reference, run([5, 9, 3], [0.5, 0.02, 0.3]), (0.25, 1e-4))
+    assert near_tie["identical_tokens"] == 1 and near_tie["info"]["ok"]
+    assert near_tie["info"]["parting"] == {"step": 1, "margin": 0.1, "compared_margin": 0.02}
+    assert not parting(reference, run([5, 9, 3], [0.5, 0.02, 0.3]), (-math.inf, 1e-4))["info"]["ok"]
+    assert not parting(reference, run([5, 6, 9], [0.5, 0.1, 0.3]), (0.25, 1e-4))["info"]["ok"]
+    drifted = parting(reference, run([5, 6, 8], [0.5, 0.1, 0.4], shift=0.01), (0.25, 1e-4))
+    assert drifted["logprob_drift"] == 0.01 and not drifted["info"]["ok"]
 
 
 def test_the_harness_pools_repeats_and_fails_a_row_marked_not_ok(tmp_path, monkeypatch):
