@@ -1270,6 +1270,8 @@ def covering_row(o, kv: str, ctx: int, group: str, limits: tuple[float, float]) 
         set_budget(core, FULL, kernels, **GROUPS[group])
         start_stats = core.stats()
         full, full_s = timed_run(core, "full", prompt, o.steps)
+        # Before the Quest graphs are captured: their warm-up steps select too.
+        full_dense = sum(core.stats()["quest_selections"]) == sum(start_stats["quest_selections"])
         set_budget(core, ctx, kernels, select_above=0, **GROUPS[group])
         before = core.stats()
         quest, quest_s = timed_run(core, "quest", prompt, o.steps)
@@ -1282,7 +1284,6 @@ def covering_row(o, kv: str, ctx: int, group: str, limits: tuple[float, float]) 
     steps = o.steps - 1
     pages = sum((len(prompt) + t) // block * block // page for t in range(steps))
     every_page = all(read[layer] == heads * pages and rows[layer] == heads * steps for layer in sparse)
-    full_dense = sum(before["quest_selections"]) == sum(start_stats["quest_selections"])
     row = parting(full, quest, limits)
     row["info"].update(info, every_page=every_page, full_dense=full_dense,
                        pages_per_selection=round(read[-1] / max(rows[-1], 1), 2),
