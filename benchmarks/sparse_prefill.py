@@ -13,7 +13,8 @@ per layer against dense, and end-to-end prefill against Full.
   after them), one layer: XAttention's scoring with its key tiles in one walk per program
   (key_splits=1) and split to fill the GPU, the block selection, the kept-block lists and the
   block-sparse attention at the density of --estimate-threshold, each 3 times (min / median /
-  max ms); the two scorings' largest difference relative to the largest score.
+  max ms); the two scorings' largest difference relative to the largest score;
+  --estimate-tiles times the scoring with other program tiles too.
 - e2e: prefill of one prompt on a Qwen3-4B-shaped engine (random weights), Full and
   XAttention (default threshold 0.9; --e2e-thresholds adds lower ones, which on random
   weights keep about a real model's share of blocks), with the density it kept;
@@ -180,7 +181,7 @@ def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
 
 
 def estimate_rows(prefixes: list[int], chunk: int, threshold: float, device, dtype,
-                  repeat: int) -> list[dict]:
+                  repeat: int, tile_shapes: list[str]) -> list[dict]:
     from astream.ops.triton_xattention_scores import antidiagonal_scores_triton
     scale, block, stride = DIM ** -0.5, 128, 8
     rows = []
@@ -205,12 +206,25 @@ def estimate_rows(prefixes: list[int], chunk: int, threshold: float, device, dty
                    "kept_lists": _timed(lambda: kept_block_lists(mask), repeat),
                    "attend": _timed(lambda: xa.block_sparse_attention(q, k, v, mask, block=block,
                                                                       scale=scale), repeat)}}
+        for tiles in tile_shapes:
+            row["ms"][f"score_split_{tiles}"] = _with_tiles(tiles, lambda: _timed(score, repeat))
         rows.append(row)
         print(row, flush=True)
         del q, k, v, one, split, mask
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def _with_tiles(tiles: str, fn):
+    """fn() with the scoring kernel's program tile set to QGxKG stride-groups."""
+    from astream.ops import triton_xattention_scores as kernels
+    saved = kernels.QUERY_GROUPS, kernels.KEY_GROUPS
+    kernels.QUERY_GROUPS, kernels.KEY_GROUPS = (int(x) for x in tiles.split("x"))
+    try:
+        return fn()
+    finally:
+        kernels.QUERY_GROUPS, kernels.KEY_GROUPS = saved
 
 
 def _layout(device, dtype):
@@ -304,6 +318,9 @@ def main() -> None:
     parser.add_argument("--estimate-chunk", type=int, default=32768)
     parser.add_argument("--estimate-threshold", type=float, default=0.15,
                         help="estimate: random inputs keep about this share of blocks")
+    parser.add_argument("--estimate-tiles", default="",
+                        help="estimate: scoring tiles to time besides the default, QGxKG "
+                             "stride-groups a program, e.g. 128x128,64x128")
     parser.add_argument("--chunk", type=int, default=16384)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--tokenizer", default=None)
@@ -333,7 +350,8 @@ def main() -> None:
     if "estimate" in sections:
         prefixes = [768] if args.smoke else [int(p) for p in args.estimate_prefixes.split(",")]
         result["estimate"] = estimate_rows(prefixes, 256 if args.smoke else args.estimate_chunk,
-                                           args.estimate_threshold, device, dtype, args.repeat)
+                                           args.estimate_threshold, device, dtype, args.repeat,
+                                           [t for t in args.estimate_tiles.split(",") if t])
     if "e2e" in sections:
         result["e2e"] = e2e_rows(contexts, args, device)
     save("sparse_prefill", result, smoke=args.smoke)

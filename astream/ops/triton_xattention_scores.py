@@ -26,7 +26,7 @@ from torch import Tensor
 from astream.ops.triton_tiles import LOG2E, MIN_DOT_DIM, _dim_mask
 
 QUERY_GROUPS = 128       # stride-groups of queries a program owns (a multiple of a block's)
-KEY_GROUPS = 64          # stride-groups of keys a tile covers
+KEY_GROUPS = 128         # stride-groups of keys a tile covers
 SCRATCH_BYTES = 256 << 20   # per-block partial sums of one launch (longer chunks are sliced)
 PROGRAMS_PER_SM = 2      # key splits are added until a launch has this many programs an SM
 MAX_KEY_SPLITS = 64
