@@ -595,7 +595,7 @@ async def test_a_killed_rank_ends_the_engine_and_every_request_and_leaves_no_pro
 def _capture_killing_rank_1(monkeypatch, then):
     """The engine captures decode graphs at start (as on CUDA); rank 0's capture kills rank 1
     and then does `then()`, standing in for the capture's warm-up collective."""
-    monkeypatch.setattr(engine_core, "captures_graphs", lambda config, runner: True)
+    monkeypatch.setattr(engine_core, "captures_graphs", lambda config, device: True)
 
     def capture(spec, runner):
         os.kill(runner.followers.pids[0], signal.SIGKILL)

@@ -123,7 +123,7 @@ def graph_spec(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> Gr
     where decode steps cannot be static: with offload under a policy whose plan at the
     longest context selects decode pages on some offloaded layers only (those steps read
     through the ring)."""
-    shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+    shape = dict(max_batch=max_graph_batch(config),
                  max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
                  max_context=plan.max_model_len)
     layers = runner.decoder.config.num_layers
@@ -187,9 +187,27 @@ def captured(graphs: DecodeGraphs | OffloadDecodeGraphs) -> list:
     return list(found.values())
 
 
-def captures_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
-    """Whether decode steps run from CUDA graphs: on CUDA, unless enforce_eager."""
-    return runner.runtime.is_cuda and not config.enforce_eager
+def captures_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """Whether decode steps on `device` may run from CUDA graphs: on CUDA, unless
+    enforce_eager (and then only where the KV backend and policy allow them: `graph_spec`)."""
+    return device.type == "cuda" and not config.enforce_eager
+
+
+def max_graph_batch(config: EngineConfig) -> int:
+    """The largest decode batch the graphs capture."""
+    return min(config.cuda_graph_max_batch, config.max_num_seqs)
+
+
+def graph_sampling_rows(config: EngineConfig, device: torch.device) -> int:
+    """The rows of the sampling tables that the decode graphs on `device` keep, and the
+    memory plan reserves (kvcache.sizing.graph_sampling_bytes): the largest captured batch
+    where decode steps are captured; 0 on the CPU and under enforce_eager. The policy is
+    bound only after the plan, so rows are kept for the graphs `graph_spec` may still rule
+    out (with offload, a policy that selects decode pages on some offloaded layers only; no
+    built-in one does)."""
+    if not captures_graphs(config, device):
+        return 0
+    return max_graph_batch(config)
 
 
 def build_graphs(config: EngineConfig, plan: CachePlan,
@@ -202,7 +220,7 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
 
     None too for a tensor-parallel rank: its graphs are captured later, by every rank at
     once (`capture_graphs`), once all of them have built their runners."""
-    if not captures_graphs(config, runner) or runner.decoder.tp is not None:
+    if not captures_graphs(config, runner.runtime.device) or runner.decoder.tp is not None:
         return None
     spec = graph_spec(config, plan, runner)
     return None if spec is None else capture_graphs(spec, runner)
