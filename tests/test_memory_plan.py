@@ -6,6 +6,7 @@ engine logs its plan at start-up."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ H100 = MemoryAvailable(device_free=80 * GiB, device_total=80 * GiB, host=120 * G
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
-def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100,
+def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100, rank: int = 0,
                  device: torch.device = CUDA, **engine):
     model = ModelConfig.from_hf(QWEN3_4B)
     config = EngineConfig(offload=True, max_model_len=MILLION, max_num_seqs=max_num_seqs,
@@ -35,7 +36,7 @@ def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100,
     weights = weight_bytes(model, torch.bfloat16)
     available = MemoryAvailable(available.device_free - weights, available.device_total,
                                 available.host)
-    plan = plan_cache(cache_spec(config, model, policy, 1, device), model, torch.bfloat16,
+    plan = plan_cache(cache_spec(config, model, policy, 1, device, rank), model, torch.bfloat16,
                       device, torch.float8_e4m3fn, available)
     return model, plan
 
@@ -95,13 +96,15 @@ def test_a_million_token_sparse_prefill_plans_its_prefixes_and_fits():
 
 def test_graph_sampling_is_planned_only_where_decode_graphs_sample():
     """The sampling tables and the tails' workspace are planned where decode graphs keep them:
-    on CUDA unless enforce_eager. The CPU captures no graph."""
+    on CUDA unless enforce_eager, on one rank or tensor-parallel rank 0. The CPU captures no
+    graph, and the other ranks capture no tail; nothing else in their plans changes."""
     plans = {name: plan_million(64, **engine)[1].memory for name, engine in (
         ("graphs", {}), ("eager", dict(enforce_eager=True)), ("capped", dict(cuda_graph_max_batch=16)),
-        ("cpu", dict(device=CPU)))}
+        ("cpu", dict(device=CPU)), ("rank_1", dict(rank=1)))}
     assert plans["graphs"].graph_sampling == 64 * 151936 * 50
     assert plans["capped"].graph_sampling == 16 * 151936 * 50
-    assert plans["eager"].graph_sampling == plans["cpu"].graph_sampling == 0
+    assert all(plans[name].graph_sampling == 0 for name in ("eager", "cpu", "rank_1"))
+    assert replace(plans["rank_1"], graph_sampling=plans["graphs"].graph_sampling) == plans["graphs"]
 
 
 def test_an_engine_on_the_cpu_plans_no_graph_sampling_and_builds_no_graphs(tiny_qwen3):

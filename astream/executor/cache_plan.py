@@ -22,22 +22,22 @@ log = logging.getLogger("astream")
 def plan_runner_cache(config: EngineConfig, decoder: Decoder, policy: SparsePolicy,
                       fmt: KVFormat) -> CachePlan:
     model = decoder.config
-    spec = cache_spec(config, model, policy, fmt.element_size, decoder.device)
+    spec = cache_spec(config, model, policy, fmt.element_size, decoder.device, decoder.rank)
     plan = plan_cache(spec, model, decoder.dtype, decoder.device, fmt.dtype)
     log.info("astream: memory plan: %s", plan.memory.describe())
     return plan
 
 
 def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
-               kv_element_size: int, device: torch.device) -> CacheSpec:
-    """The cache an engine with `config` and `policy` asks for on `device` (plan it with
-    plan_cache): the policy's device metadata (kept in the cache's element type, per byte of
-    KV), with offload the layers whose KV it keeps on the device as well and its decode
-    buffers, and the decode graphs' sampling tables."""
+               kv_element_size: int, device: torch.device, rank: int = 0) -> CacheSpec:
+    """The cache an engine with `config` and `policy` asks for on `device`, as tensor-parallel
+    rank `rank` (plan it with plan_cache): the policy's device metadata (kept in the cache's
+    element type, per byte of KV), with offload the layers whose KV it keeps on the device as
+    well and its decode buffers, and the decode graphs' sampling tables."""
     device_layers = len(policy.offload_device_layers(model.num_layers)) if config.offload else 0
     return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
                        _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers,
-                       graph_sampling_rows(config, device))
+                       graph_sampling_rows(config, device, rank))
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
