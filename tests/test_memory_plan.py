@@ -6,6 +6,7 @@ engine logs its plan at start-up."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, interme
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 tie_word_embeddings=True, max_position_embeddings=MILLION)
 H100 = MemoryAvailable(device_free=80 * GiB, device_total=80 * GiB, host=120 * GiB)
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
-def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100, **engine):
+def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100, rank: int = 0,
+                 device: torch.device = CUDA, **engine):
     model = ModelConfig.from_hf(QWEN3_4B)
     config = EngineConfig(offload=True, max_model_len=MILLION, max_num_seqs=max_num_seqs,
                           kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=16384, **engine)
@@ -33,8 +36,8 @@ def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100, **eng
     weights = weight_bytes(model, torch.bfloat16)
     available = MemoryAvailable(available.device_free - weights, available.device_total,
                                 available.host)
-    plan = plan_cache(cache_spec(config, model, policy, 1), model, torch.bfloat16,
-                      torch.device("cuda"), torch.float8_e4m3fn, available)
+    plan = plan_cache(cache_spec(config, model, policy, 1, device, rank), model, torch.bfloat16,
+                      device, torch.float8_e4m3fn, available)
     return model, plan
 
 
@@ -82,8 +85,8 @@ def test_a_million_token_sparse_prefill_plans_its_prefixes_and_fits():
     policy = CombinedPolicy(XAttentionPolicy(), QuestPolicy(budget_tokens=4096))
     weights = weight_bytes(model, torch.bfloat16)
     available = MemoryAvailable(H100.device_free - weights, H100.device_total, H100.host)
-    plan = plan_cache(cache_spec(config, model, policy, 1), model, torch.bfloat16,
-                      torch.device("cuda"), torch.float8_e4m3fn, available)
+    plan = plan_cache(cache_spec(config, model, policy, 1, CUDA), model, torch.bfloat16,
+                      CUDA, torch.float8_e4m3fn, available)
     mem, layer_block = plan.memory, 2 * 8 * 128 * 256
     # Two packed bf16 prefixes of a million tokens (4 GiB each) and one staged fp8 piece.
     assert mem.prefix_buffers == 2 * 4096 * 2 * layer_block + 64 * layer_block
@@ -91,11 +94,24 @@ def test_a_million_token_sparse_prefill_plans_its_prefixes_and_fits():
     assert mem.device_total < 0.85 * 80 * GiB
 
 
-def test_graph_sampling_is_planned_only_where_decode_graphs_may_run():
-    _, eager = plan_million(64, enforce_eager=True)
-    _, capped = plan_million(64, cuda_graph_max_batch=16)
-    assert eager.memory.graph_sampling == 0
-    assert capped.memory.graph_sampling == 16 * 151936 * 50
+def test_graph_sampling_is_planned_only_where_decode_graphs_sample():
+    """The sampling tables and the tails' workspace are planned where decode graphs keep them:
+    on CUDA unless enforce_eager, on one rank or tensor-parallel rank 0. The CPU captures no
+    graph, and the other ranks capture no tail; nothing else in their plans changes."""
+    plans = {name: plan_million(64, **engine)[1].memory for name, engine in (
+        ("graphs", {}), ("eager", dict(enforce_eager=True)), ("capped", dict(cuda_graph_max_batch=16)),
+        ("cpu", dict(device=CPU)), ("rank_1", dict(rank=1)))}
+    assert plans["graphs"].graph_sampling == 64 * 151936 * 50
+    assert plans["capped"].graph_sampling == 16 * 151936 * 50
+    assert all(plans[name].graph_sampling == 0 for name in ("eager", "cpu", "rank_1"))
+    assert replace(plans["rank_1"], graph_sampling=plans["graphs"].graph_sampling) == plans["graphs"]
+
+
+def test_an_engine_on_the_cpu_plans_no_graph_sampling_and_builds_no_graphs(tiny_qwen3):
+    from astream import LLM
+    with LLM(str(tiny_qwen3), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=512,
+             kv_block_size=16) as llm:
+        assert llm.core.plan.memory.graph_sampling == 0 and llm.core.runner.graphs is None
 
 
 def test_the_pool_stays_within_what_the_host_has():
@@ -105,8 +121,8 @@ def test_the_pool_stays_within_what_the_host_has():
     # Without an explicit max_model_len the pool keeps to half the host, as before.
     model = ModelConfig.from_hf(QWEN3_4B)
     config = EngineConfig(offload=True, max_num_seqs=1, kv_cache_dtype="fp8_e4m3")
-    plan = plan_cache(cache_spec(config, model, QuestPolicy(), 1), model, torch.bfloat16,
-                      torch.device("cpu"), torch.float8_e4m3fn, H100)
+    plan = plan_cache(cache_spec(config, model, QuestPolicy(), 1, CPU), model, torch.bfloat16,
+                      CPU, torch.float8_e4m3fn, H100)
     assert plan.memory.host_pool <= 60 * GiB and plan.max_model_len < MILLION
 
 

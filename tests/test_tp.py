@@ -20,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +38,9 @@ from astream.core.engine_core import EngineCore
 from astream.executor import build
 from astream.executor.build import graph_spec, release_graphs
 from astream.executor.graph_chain import ChainedStep, capture_chained_steps
-from astream.executor.graph_sampling import capture_sampling_graphs
+from astream.executor.graph_sampling import capture_sampling_graphs, captured_mode, replay, step_keys
+from astream.executor.sampling_tail import Tail
+from astream.kvcache.sizing import CachePlan, OffloadPlan
 from astream.face.cli import parse_command
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
@@ -416,7 +419,7 @@ def test_a_failed_capture_destroys_the_graphs_it_had_captured(monkeypatch, chain
     would hold them, and their memory pool, for as long as it lives)."""
     _fake_cuda_capture(monkeypatch)
     sampler = SimpleNamespace(program=lambda hidden, mode: None, tail=lambda size, tail: None,
-                              generator=None)
+                              generator=None, tables=object())
 
     def run(size: int, capture=None) -> torch.Tensor:
         if capture is not None:
@@ -434,6 +437,88 @@ def test_a_failed_capture_destroys_the_graphs_it_had_captured(monkeypatch, chain
             capture_sampling_graphs([1, 2, 4], lambda size: run(size), sampler, out, CPU)
     assert len(_CapturedGraph.made) >= 3
     assert [graph.resets for graph in _CapturedGraph.made] == [1] * len(_CapturedGraph.made)
+
+
+class _WholeModelRank:
+    """A tensor-parallel rank as its decode graphs see it, in a process that holds the whole
+    model: the rank it names, and collectives that leave its tensors as they are."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.shard = SimpleNamespace(vocab_start=0)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        return logits[:, :vocab_size]
+
+
+def _one_follower() -> tuple[workers.WorkerGroup, object]:
+    """Rank 0's group with one other rank, of another host (no process here): the end of its
+    connection the test speaks for it."""
+    ours, theirs = multiprocessing.Pipe()
+    return workers.WorkerGroup([None], [ours], 1), theirs
+
+
+@pytest.mark.parametrize("kind", GRAPHED)
+def test_only_rank_0_captures_the_sampling_tails(tiny_qwen3, monkeypatch, kind):
+    """Every rank captures the same whole-step graphs in the same order (here in one process,
+    as on a GPU, the captures standing in for CUDA's); only rank 0 the sampling tails after
+    them and their tables. A follower replays its greedy graph in a step rank 0 samples in
+    a tail, and rank 0 takes its whole-step graphs as its own."""
+    options = {**KW, **GRAPHED[kind]}
+    with LLM(str(tiny_qwen3), **options) as llm:
+        runner = llm.core.runner
+        spec = graph_spec(llm.core.config, llm.core.plan, runner)
+        _fake_cuda_capture(monkeypatch)
+        ranks = []
+        for rank in (0, 1):
+            decoder = replace(runner.decoder, tp=_WholeModelRank(rank))
+            _CapturedGraph.made = []
+            graphs = build.make_graphs(spec, SimpleNamespace(
+                decoder=decoder, cache=runner.cache, offload=runner.offload, backends=runner.backends,
+                policy=runner.policy, generator=runner.generator))
+            graphs.capture()
+            ranks.append((graphs, len(_CapturedGraph.made)))
+        (first, made_first), (follower, made_follower) = ranks
+        tails = [key for key in first.graphs if isinstance(key[0], Tail)]
+        assert tails and first.sampler.tables is not None
+        assert follower.sampler.tables is None
+        assert sorted(follower.graphs, key=repr) == step_keys(first.graphs)
+        assert made_first - made_follower == len(tails)
+        # A step of 3 rows whose logprobs rank 0 samples in its tail of size 4.
+        tail = Tail(False, False, False, True)
+        assert captured_mode(first.graphs, 4, tail) == tail
+        replayed = []
+        graphs = {key: SimpleNamespace(replay=partial(replayed.append, key)) for key in follower.graphs}
+        ids = replay(graphs, 4, 3, tail, None, follower.sampler, follower._run_eager,
+                     follower.buffers["hidden"])
+        assert replayed == [("greedy", 4)]
+        assert ids is not None and ids.shape == (3,)          # no host sampling to join
+        monkeypatch.setattr(workers, "capture_graphs", lambda spec, runner: first)
+        group, other = _one_follower()
+        other.send(("graphs", step_keys(follower.graphs)))
+        rank0 = SimpleNamespace(graphs=None, runtime=None)
+        group.install_graphs(spec, rank0)
+        assert rank0.graphs is first
+        other.send(("graphs", step_keys(follower.graphs)[1:]))
+        with pytest.raises(TensorParallelError, match="rank 1 captured decode graphs"):
+            group.install_graphs(spec, rank0)
+
+
+def test_the_ranks_agree_on_the_fewest_blocks_and_the_smallest_ring():
+    """Each rank plans its own cache; with offload each sizes its ring by its own device
+    memory (rank 0 keeps the sampling tails' tables there too): every rank takes the fewest
+    blocks and the smallest ring, which fit each of them."""
+    group, other = _one_follower()
+    ours = CachePlan(64, 16, 1024, 256, OffloadPlan(3, 40, 17))
+    theirs = CachePlan(60, 16, 960, 256, OffloadPlan(3, 48, 17))
+    other.send(("loaded", theirs))
+    other.send(("ready", None))
+    agreed = group.agree(ours)
+    assert (agreed.num_blocks, agreed.max_model_len, agreed.offload) == (60, 960, OffloadPlan(3, 40, 17))
+    assert other.recv() == ("plan", agreed)
 
 
 @pytest.fixture
@@ -595,7 +680,7 @@ async def test_a_killed_rank_ends_the_engine_and_every_request_and_leaves_no_pro
 def _capture_killing_rank_1(monkeypatch, then):
     """The engine captures decode graphs at start (as on CUDA); rank 0's capture kills rank 1
     and then does `then()`, standing in for the capture's warm-up collective."""
-    monkeypatch.setattr(engine_core, "captures_graphs", lambda config, runner: True)
+    monkeypatch.setattr(engine_core, "captures_graphs", lambda config, device: True)
 
     def capture(spec, runner):
         os.kill(runner.followers.pids[0], signal.SIGKILL)

@@ -90,7 +90,7 @@ class EngineCore:
             eos = frozenset(stop_token_ids(model.tokenizer, shape.eos_token_ids))
             runner = build_runner(config, plan, model.decoder, runtime, policy, fmt, eos)
             runner.followers = workers
-            if workers is not None and captures_graphs(config, runner):
+            if workers is not None and captures_graphs(config, device):
                 workers.install_graphs(graph_spec(config, plan, runner), runner)
         except BaseException as exc:
             named = None if workers is None else workers.stop_after(exc)

@@ -123,7 +123,7 @@ def graph_spec(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> Gr
     where decode steps cannot be static: with offload under a policy whose plan at the
     longest context selects decode pages on some offloaded layers only (those steps read
     through the ring)."""
-    shape = dict(max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+    shape = dict(max_batch=max_graph_batch(config),
                  max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
                  max_context=plan.max_model_len)
     layers = runner.decoder.config.num_layers
@@ -138,9 +138,10 @@ def graph_spec(config: EngineConfig, plan: CachePlan, runner: ModelRunner) -> Gr
 
 def make_graphs(spec: GraphSpec, runner: ModelRunner) -> DecodeGraphs | OffloadDecodeGraphs:
     """The decode graphs of `spec` with their static buffers, not captured yet: until then
-    they run their program eagerly."""
+    they run their program eagerly. The sampling tails and their tables only where the
+    runner's rank samples (`captures_tails`)."""
     shape = dict(max_batch=spec.max_batch, max_blocks_per_seq=spec.max_blocks_per_seq,
-                 max_context=spec.max_context)
+                 max_context=spec.max_context, tails=captures_tails(runner.decoder.rank))
     if spec.kind == "resident":
         return DecodeGraphs(runner.decoder, runner.cache, runner.backends, runner.policy,
                             runner.generator, **shape)
@@ -187,9 +188,35 @@ def captured(graphs: DecodeGraphs | OffloadDecodeGraphs) -> list:
     return list(found.values())
 
 
-def captures_graphs(config: EngineConfig, runner: ModelRunner) -> bool:
-    """Whether decode steps run from CUDA graphs: on CUDA, unless enforce_eager."""
-    return runner.runtime.is_cuda and not config.enforce_eager
+def captures_graphs(config: EngineConfig, device: torch.device) -> bool:
+    """Whether decode steps on `device` may run from CUDA graphs: on CUDA, unless
+    enforce_eager (and then only where the KV backend and policy allow them: `graph_spec`)."""
+    return device.type == "cuda" and not config.enforce_eager
+
+
+def captures_tails(rank: int) -> bool:
+    """Whether a rank's decode graphs have the sampling tails and their tables
+    (executor.sampling_tail): one rank's, or rank 0's under tensor parallelism. Rank 0
+    samples every step and broadcasts the ids; the other ranks replay only the whole-step
+    graphs, which hold the logits' gather every rank must join, and drop what they sample."""
+    return rank == 0
+
+
+def max_graph_batch(config: EngineConfig) -> int:
+    """The largest decode batch the graphs capture."""
+    return min(config.cuda_graph_max_batch, config.max_num_seqs)
+
+
+def graph_sampling_rows(config: EngineConfig, device: torch.device, rank: int = 0) -> int:
+    """The rows of the sampling tables that the decode graphs of rank `rank` on `device` keep,
+    and the memory plan reserves (kvcache.sizing.graph_sampling_bytes): the largest captured
+    batch where decode steps are captured and the rank captures tails; 0 on the CPU, under
+    enforce_eager and on a tensor-parallel rank other than 0. The policy is bound only after
+    the plan, so rows are kept for the graphs `graph_spec` may still rule out (with offload,
+    a policy that selects decode pages on some offloaded layers only; no built-in one does)."""
+    if not (captures_graphs(config, device) and captures_tails(rank)):
+        return 0
+    return max_graph_batch(config)
 
 
 def build_graphs(config: EngineConfig, plan: CachePlan,
@@ -202,7 +229,7 @@ def build_graphs(config: EngineConfig, plan: CachePlan,
 
     None too for a tensor-parallel rank: its graphs are captured later, by every rank at
     once (`capture_graphs`), once all of them have built their runners."""
-    if not captures_graphs(config, runner) or runner.decoder.tp is not None:
+    if not captures_graphs(config, runner.runtime.device) or runner.decoder.tp is not None:
         return None
     spec = graph_spec(config, plan, runner)
     return None if spec is None else capture_graphs(spec, runner)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from astream.base.config import EngineConfig
+from astream.executor.build import graph_sampling_rows
 from astream.kvcache.kv_format import KVFormat
 from astream.kvcache.sizing import CachePlan, CacheSpec, plan_cache
 from astream.models.config import ModelConfig
@@ -19,20 +22,22 @@ log = logging.getLogger("astream")
 def plan_runner_cache(config: EngineConfig, decoder: Decoder, policy: SparsePolicy,
                       fmt: KVFormat) -> CachePlan:
     model = decoder.config
-    plan = plan_cache(cache_spec(config, model, policy, fmt.element_size), model, decoder.dtype,
-                      decoder.device, fmt.dtype)
+    spec = cache_spec(config, model, policy, fmt.element_size, decoder.device, decoder.rank)
+    plan = plan_cache(spec, model, decoder.dtype, decoder.device, fmt.dtype)
     log.info("astream: memory plan: %s", plan.memory.describe())
     return plan
 
 
 def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
-               kv_element_size: int) -> CacheSpec:
-    """The cache an engine with `config` and `policy` asks for (plan it with plan_cache): the
-    policy's device metadata (kept in the cache's element type, per byte of KV) and, with
-    offload, the layers whose KV it keeps on the device as well and its decode buffers."""
+               kv_element_size: int, device: torch.device, rank: int = 0) -> CacheSpec:
+    """The cache an engine with `config` and `policy` asks for on `device`, as tensor-parallel
+    rank `rank` (plan it with plan_cache): the policy's device metadata (kept in the cache's
+    element type, per byte of KV), with offload the layers whose KV it keeps on the device as
+    well and its decode buffers, and the decode graphs' sampling tables."""
     device_layers = len(policy.offload_device_layers(model.num_layers)) if config.offload else 0
     return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
-                       _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers)
+                       _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers,
+                       graph_sampling_rows(config, device, rank))
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
@@ -47,7 +52,8 @@ def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: Engin
 
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
-                device_reserve_bytes: int = 0, device_layers: int = 0) -> CacheSpec:
+                device_reserve_bytes: int = 0, device_layers: int = 0,
+                graph_rows: int = 0) -> CacheSpec:
     """Under tensor parallelism each rank plans its own shard's cache: its share of
     `offload_host_gib`, and of this host's RAM with the other ranks that pin pools in it."""
     ranks = config.tensor_parallel_size
@@ -60,10 +66,4 @@ def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool =
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
         kv_overhead=kv_overhead, device_layers=device_layers, whole_prefix=sparse_prefill and config.offload,
         device_reserve_bytes=device_reserve_bytes,
-        host_ranks=config.ranks_per_node, graph_sampling_rows=graph_sampling_rows(config))
-
-
-def graph_sampling_rows(config: EngineConfig) -> int:
-    """The rows of the decode graphs' sampling tables (executor.sampling_tail): the largest
-    captured batch, wherever graphs may be captured (on the CPU the plan only informs)."""
-    return 0 if config.enforce_eager else min(config.cuda_graph_max_batch, config.max_num_seqs)
+        host_ranks=config.ranks_per_node, graph_sampling_rows=graph_rows)

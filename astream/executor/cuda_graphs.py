@@ -49,6 +49,7 @@ class DecodeGraphs:
     max_batch: int
     max_blocks_per_seq: int
     max_context: int
+    tails: bool = True                   # sampling tails and their tables (build.captures_tails)
     graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = field(default_factory=dict)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     sampler: GraphSampler | None = None
@@ -66,7 +67,7 @@ class DecodeGraphs:
             "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
                                   device=device),
         }
-        self.sampler = GraphSampler.allocate(self.decoder, self.generator, b)
+        self.sampler = GraphSampler.allocate(self.decoder, self.generator, b, self.tails)
 
     def capture(self) -> None:
         self.graphs = capture_sampling_graphs(capture_sizes(self.max_batch), self._run_eager,

@@ -9,6 +9,10 @@ A step whose rows need top-k, top-p, penalties, min_tokens or logprobs replays t
 graph and then the tail graph of its `Tail` (executor.sampling_tail), which samples from
 that logits table. Only a step with a request seed (a generator per row, chosen on the
 host) replays the greedy graph for its hidden states and samples eagerly from them.
+
+Under tensor parallelism only rank 0's graphs have the tails and their tables: the other
+ranks replay the whole-step graphs alone (they hold the logits' gather, which every rank
+must join) and drop what those sample for rank 0's ids.
 """
 
 from __future__ import annotations
@@ -43,22 +47,25 @@ class GraphSampler:
     generator: torch.Generator
     temperatures: torch.Tensor           # [B] float32, filled before each replay
     token_ids: torch.Tensor              # [B] int64, written by the graph
-    tables: SamplingTables               # what the tails read, and their logprobs
+    tables: SamplingTables | None        # what the tails read, and their logprobs; None: no tails
     sampled_inside: int = 0              # steps whose ids came from the static program
 
     @classmethod
-    def allocate(cls, decoder: Decoder, generator: torch.Generator, max_batch: int) -> "GraphSampler":
+    def allocate(cls, decoder: Decoder, generator: torch.Generator, max_batch: int,
+                 tails: bool = True) -> "GraphSampler":
+        """`tails` False: a sampler without the tails' tables, whose graphs capture no tail."""
         device = decoder.device
+        tables = SamplingTables.allocate(max_batch, decoder.config.vocab_size, device) if tails else None
         return cls(decoder, generator, torch.ones(max_batch, dtype=torch.float32, device=device),
-                   torch.zeros(max_batch, dtype=torch.int64, device=device),
-                   SamplingTables.allocate(max_batch, decoder.config.vocab_size, device))
+                   torch.zeros(max_batch, dtype=torch.int64, device=device), tables)
 
     def program(self, hidden: torch.Tensor, mode: str) -> None:
         """Sample every row of hidden [size, H] into token_ids[:size] (what a graph captures)."""
         size = hidden.shape[0]
         # The greedy graph's logits stay in the table a tail reads: written there by the
         # conversion to float32 every step makes anyway.
-        logits = self.decoder.logits(hidden, self.tables.logits[:size] if mode == "greedy" else None)
+        keep = mode == "greedy" and self.tables is not None
+        logits = self.decoder.logits(hidden, self.tables.logits[:size] if keep else None)
         batch = SamplingBatch(temperatures=self.temperatures[:size], top_k=None, top_p=None,
                               all_greedy=mode == "greedy", seeded_rows=[])
         self.token_ids[:size] = sample(logits, batch, self.generator)
@@ -92,13 +99,31 @@ def _draws() -> bool:
     return hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
+def _tails(sampler: GraphSampler) -> list[Tail]:
+    """The tails `sampler`'s graphs capture: none where it has no tables."""
+    return tail_modes(_draws()) if sampler.tables is not None else []
+
+
+def captured_mode(graphs: dict, size: int, mode: Mode | None) -> Mode | None:
+    """The mode a step padded to `size` samples in: `mode` where its graph was captured, or
+    where none was (the static programs run eagerly: CPU, tests); None where the host samples."""
+    return mode if not graphs or (mode, size) in graphs else None
+
+
+def step_keys(graphs: dict) -> list:
+    """The (mode, size) keys of the whole-step graphs, in a fixed order: what every
+    tensor-parallel rank captures alike (they hold the step's collectives), the tails left
+    out (rank 0's alone)."""
+    return sorted((key for key in graphs if not isinstance(key[0], Tail)), key=repr)
+
+
 def warm_up_sampling(sampler: GraphSampler, hidden: torch.Tensor) -> None:
     """Run every sampling program of `hidden`'s size once before capture (the greedy one
     first: the tails read its logits)."""
     size = hidden.shape[0]
     for mode in sampling_modes():
         sampler.program(hidden, mode)
-    for tail in tail_modes(_draws()):
+    for tail in _tails(sampler):
         sampler.tail(size, tail)
 
 
@@ -116,9 +141,9 @@ def capture_sampling(sampler: GraphSampler, hidden: torch.Tensor, mode: str, poo
 def capture_tails(sampler: GraphSampler, size: int, pool: tuple,
                   begun: list | None = None) -> dict[tuple[Tail, int], torch.cuda.CUDAGraph]:
     """One graph of `sampler.tail(size, tail)` per tail, after the greedy graph of `size`
-    (each added to `begun` before its capture)."""
+    (each added to `begun` before its capture); none for a sampler without tables."""
     graphs = {}
-    for tail in tail_modes(_draws()):
+    for tail in _tails(sampler):
         graph = _new_graph(sampler, tail.draw)
         if begun is not None:
             begun.append(graph)
@@ -138,11 +163,11 @@ def _new_graph(sampler: GraphSampler, draws: bool) -> torch.cuda.CUDAGraph:
 
 def capture_sampling_graphs(sizes: list[int], run: RunFn, sampler: GraphSampler, out: torch.Tensor,
                             device: torch.device) -> dict[tuple[Mode, int], torch.cuda.CUDAGraph]:
-    """One whole-step graph per (mode, size), largest first, and the tails of each size,
-    sharing one memory pool: a whole-step replay runs `run(size)` over the static buffers,
-    leaves its hidden states in out[:size] and its sampled ids in sampler.token_ids[:size];
-    a tail's, its ids there from the greedy replay's logits. Where a capture fails, every
-    graph begun is destroyed (`discard`) before the error goes on."""
+    """One whole-step graph per (mode, size), largest first, and the tails of each size (where
+    the sampler has tables), sharing one memory pool: a whole-step replay runs `run(size)`
+    over the static buffers, leaves its hidden states in out[:size] and its sampled ids in
+    sampler.token_ids[:size]; a tail's, its ids there from the greedy replay's logits. Where
+    a capture fails, every graph begun is destroyed (`discard`) before the error goes on."""
     modes = sampling_modes()
     graphs, pool, begun = {}, torch.cuda.graph_pool_handle(), []
     try:
@@ -183,11 +208,12 @@ def replay(graphs: dict, size: int, n: int, mode: Mode | None, batch: SamplingBa
     eagerly: CPU, tests), sampling in `mode` (`graph_mode` of the step's batch): a tail mode
     replays the greedy graph, then the tail's. Returns the n rows' sampled ids, or None where
     the host samples from out[:n]. `previous_ids`: the previous step's ids, for penalized
-    rows' newest tokens. `batch` None: a tensor-parallel follower, whose ids rank 0's
-    replace, so its tables stay as they are and it runs no tail (the greedy graph holds the
-    logits' gather, which every rank must join; a tail holds no collective)."""
-    if graphs and (mode, size) not in graphs:
-        mode = None                                      # not captured: the host samples
+    rows' newest tokens. `batch` None: a tensor-parallel follower, in the mode rank 0's
+    graphs sample this step in (`captured_mode`, sent with the step), whose ids rank 0's
+    replace: it runs no tail and has none (the greedy graph holds the logits' gather, which
+    every rank must join; a tail holds no collective), so a tail mode replays its greedy graph."""
+    if batch is not None:
+        mode = captured_mode(graphs, size, mode)        # not captured: the host samples
     tail = mode if isinstance(mode, Tail) else None
     base = "greedy" if mode is None or tail is not None else mode
     if mode is not None and batch is not None:

@@ -72,6 +72,7 @@ class OffloadDecodeGraphs:
     max_blocks_per_seq: int
     max_context: int
     dense: bool = False                  # load whole contexts (the policy never selects)
+    tails: bool = True                   # sampling tails and their tables (build.captures_tails)
     graphs: dict[tuple[str, int], object] = field(default_factory=dict)   # each has replay()
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     sampler: GraphSampler | None = None
@@ -99,7 +100,7 @@ class OffloadDecodeGraphs:
             "hidden": torch.zeros(b, self.decoder.config.hidden_size, dtype=self.decoder.dtype,
                                   device=device),
         }
-        self.sampler = GraphSampler.allocate(self.decoder, self.generator, b)
+        self.sampler = GraphSampler.allocate(self.decoder, self.generator, b, self.tails)
 
     @property
     def scratch_slot(self) -> int:

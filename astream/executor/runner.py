@@ -17,9 +17,9 @@ import torch
 
 from astream.core.scheduler import ScheduledBatch
 from astream.core.sequence import Sequence
-from astream.executor.cuda_graphs import DecodeGraphs
+from astream.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
 from astream.executor.decode_tables import DecodeTables
-from astream.executor.graph_sampling import Mode, graph_mode
+from astream.executor.graph_sampling import Mode, captured_mode, graph_mode
 from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
 from astream.executor.logprobs import StepLogprobs, compute_logprobs
 from astream.executor.offload_attention import OffloadAttention, plan_offloaded_step, whole_prefill_loads
@@ -64,7 +64,7 @@ class HostStep:
     inputs: HostInputs
     offload: HostOffloadPlan | None = None
     graphed: bool = False
-    sampling_mode: Mode | None = None      # graph_sampling.graph_mode of rank 0's batch
+    sampling_mode: Mode | None = None      # what rank 0's graphs sample in (None: its host samples)
 
 
 @dataclass(slots=True)
@@ -142,7 +142,12 @@ class ModelRunner:
         graphed = self.graphs is not None and self.graphs.can_run(inputs, plan)
         follow = None
         if self.followers is not None:
-            follow = HostStep(host, host_plan, graphed, graph_mode(sampling) if graphed else None)
+            # Resolved against rank 0's graphs: only they have the sampling tails.
+            mode = None
+            if graphed:
+                size = padded_size(capture_sizes(self.graphs.max_batch), inputs.num_tokens)
+                mode = captured_mode(self.graphs.graphs, size, graph_mode(sampling))
+            follow = HostStep(host, host_plan, graphed, mode)
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],
                             plan, follow, graphed)
 
@@ -185,8 +190,9 @@ class ModelRunner:
 
         Where rank 0 replays a decode graph, so does this rank, the same one: its sampler
         included, since the graphs of every rank must hold the same collectives (the logits'
-        gather) in the same order; a sampling tail, which holds none, only rank 0 replays.
-        The ids it samples are dropped for rank 0's, so the ranks' generators need not agree."""
+        gather) in the same order; a sampling tail, which holds none, only rank 0 captures
+        and replays (this rank replays the greedy graph in its stead). The ids it samples are
+        dropped for rank 0's, so the ranks' generators need not agree."""
         device = self.runtime.device
         inputs = step.inputs.send(device)
         if inputs.pending_dst is not None:

@@ -26,7 +26,8 @@ when it was captured.
 
 Memory: the tables are allocated with the graphs' other static buffers, and the memory
 plan counts them with the workspace the tails keep in the graphs' pool ("graph_sampling",
-kvcache.sizing.graph_sampling_bytes).
+kvcache.sizing.graph_sampling_bytes), on the ranks whose graphs have tails
+(executor.build.graph_sampling_rows): under tensor parallelism rank 0's alone.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class CacheSpec:
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
     host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
-    graph_sampling_rows: int = 0    # rows the decode graphs sample (0: no graphs)
+    graph_sampling_rows: int = 0    # rows of the decode graphs' sampling tables (0: none kept)
 
 
 @dataclass(slots=True, frozen=True)

@@ -76,6 +76,11 @@ class Decoder:
     def device(self) -> torch.device:
         return self.weights.embed.device
 
+    @property
+    def rank(self) -> int:
+        """This process's tensor-parallel rank (0 without tensor parallelism)."""
+        return 0 if self.tp is None else self.tp.rank
+
     def embed(self, input_ids: torch.Tensor) -> Residual:
         if self.tp is None:
             return Residual(F.embedding(input_ids, self.weights.embed))

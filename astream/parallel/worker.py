@@ -11,7 +11,8 @@ Messages from rank 0: ("plan", CachePlan), then one HostStep per step, between s
 GraphSpec (build, and on CUDA capture, those decode graphs now, as rank 0 does), then Stop
 (at any point).
 To rank 0: ("hello", rank) on a connection, ("loaded", CachePlan), ("ready", None),
-("graphs", the (mode, batch size) keys captured) or ("error", traceback text).
+("graphs", the (mode, batch size) keys of the whole-step graphs captured: this rank captures
+no sampling tail) or ("error", traceback text).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from astream.base.config import EngineConfig
 from astream.executor.build import GraphSpec, build_runner, capture_graphs, kv_format, release_graphs
 from astream.executor.cache_plan import plan_runner_cache
+from astream.executor.graph_sampling import step_keys
 from astream.models.config import ModelConfig
 from astream.models.loader import load_model, open_checkpoint
 from astream.models.tensor_parallel import TensorParallel, TPShard
@@ -141,7 +143,7 @@ def _serve(runner, conn: Connection) -> None:
         while not isinstance(message := conn.recv(), Stop):
             if isinstance(message, GraphSpec):
                 graphs = runner.graphs = capture_graphs(message, runner)
-                conn.send(("graphs", sorted(graphs.graphs, key=repr)))
+                conn.send(("graphs", step_keys(graphs.graphs)))
             else:
                 previous = runner.follow(message, previous)
         clean = message.clean

@@ -19,7 +19,7 @@ import os
 import pickle
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, Listener, wait
 
 import torch
@@ -27,6 +27,7 @@ import torch
 from astream.base.config import EngineConfig
 from astream.base.errors import TensorParallelError
 from astream.executor.build import GraphSpec, capture_graphs, release_graphs
+from astream.executor.graph_sampling import step_keys
 from astream.executor.runner import HostStep, ModelRunner
 from astream.kvcache.sizing import CachePlan
 from astream.models.config import ModelConfig
@@ -105,9 +106,15 @@ class WorkerGroup:
 
     def agree(self, plan: CachePlan) -> CachePlan:
         """Every rank sized its own cache; all take the smallest, so block ids mean the same
-        everywhere (the scheduler on rank 0 hands them out)."""
+        everywhere (the scheduler on rank 0 hands them out), and with offload the smallest
+        ring: each rank sized its ring by its own device memory, and rank 0's also holds the
+        sampling tails' tables. The agreed plan's `memory` is the chosen rank's (each rank
+        logged its own)."""
         plans = [plan] + [self._receive(rank, "loaded") for rank in self._ranks()]
         chosen = min(plans, key=lambda p: (p.num_blocks, p.max_model_len))
+        if chosen.offload is not None:
+            ring = min((p.offload for p in plans), key=lambda offload: offload.slot_blocks)
+            chosen = replace(chosen, offload=ring)
         for pipe in self.pipes:
             pipe.send(("plan", chosen))
         for rank in self._ranks():
@@ -119,8 +126,9 @@ class WorkerGroup:
         captured). The ranks build them at once, sizes and modes in the same order: a
         capture's warm-up runs the step's collectives, and the capture records them, so each
         rank must meet the others in the same collective. The spec goes down the steps' path,
-        so a rank takes it between two steps; each answers with the graphs it captured, which
-        must be rank 0's, as every step from now on replays the same graph on every rank."""
+        so a rank takes it between two steps; each answers with the whole-step graphs it
+        captured, which must be rank 0's, as every step from now on replays the same graph on
+        every rank. Only rank 0 captures the sampling tails after them (they hold no collective)."""
         if spec is None:
             return
         self._send_all(pickle.dumps(spec, pickle.HIGHEST_PROTOCOL))
@@ -130,7 +138,7 @@ class WorkerGroup:
         except Exception as exc:
             raise self.failed(exc, "decode graphs' capture") from exc
         self.graphs, self.runtime = graphs, runner.runtime    # released as rank 0 leaves
-        ours = sorted(graphs.graphs, key=repr)
+        ours = step_keys(graphs.graphs)
         for rank in self._ranks():
             theirs = self._receive(rank, "graphs")
             if theirs != ours:
