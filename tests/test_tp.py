@@ -867,6 +867,73 @@ def _rendezvous_port() -> int:
                 return port
 
 
+def test_the_watch_sees_another_hosts_rank_end_by_its_silent_connection():
+    """A connection that carries nothing becomes readable only as it closes: that is the
+    rank's death. A watch stopped first reports none."""
+    from multiprocessing.connection import Client, Listener
+    from astream.parallel.liveness import RankWatch
+    with Listener(("127.0.0.1", 0), authkey=b"k") as listener:
+        accepted = []                      # a client's connect waits for the accept's handshake
+        acceptor = threading.Thread(target=lambda: accepted.extend(listener.accept() for _ in range(2)))
+        acceptor.start()
+        peers = [Client(listener.address, authkey=b"k") for _ in range(2)]
+        acceptor.join(10)
+        ours = dict(zip((2, 3), accepted))
+        died = threading.Event()
+        watch = RankWatch.start({}, lambda rank: died.set(), ours)
+        time.sleep(0.2)
+        assert watch.dead is None and not died.is_set()
+        peers[1].close()                                   # rank 3's process ended
+        assert died.wait(5) and watch.dead == 3
+        quiet = RankWatch.start({}, lambda rank: pytest.fail("a death after stop"), {2: ours[2]})
+        quiet.stop()
+        peers[0].close()
+        time.sleep(0.2)
+        assert quiet.dead is None
+        for conn in ours.values():
+            conn.close()
+
+
+def _start_node1(rendezvous: dict) -> subprocess.Popen:
+    env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
+    return subprocess.Popen([sys.executable, "-m", "astream.face.cli", "worker", "--nnodes", "2",
+                             "--node-rank", "1", "--tensor-parallel-size", "2", "--device", "cpu"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_on_another_host_that_dies_frees_rank_0_from_a_collective(tiny_qwen3, monkeypatch):
+    """As for a rank of rank 0's own host: over NCCL rank 0 would wait inside the device on
+    a dead peer until NCCL's timeout. The other host's rank dies while rank 0 waits (here,
+    a wait only the watch's abort ends); the start fails at once, naming the rank."""
+    aborted = threading.Event()
+    monkeypatch.setattr(workers, "abort_collectives", aborted.set, raising=False)
+    monkeypatch.setattr(engine_core, "captures_graphs", lambda config, device: True)
+    node1 = None
+
+    def capture(spec, runner):
+        node1.kill()
+        if not aborted.wait(30):
+            raise TimeoutError("rank 0 was never freed from its collective")
+        raise RuntimeError("NCCL communicator was aborted")
+
+    monkeypatch.setattr(workers, "capture_graphs", capture)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_rendezvous_port())}
+    for name, value in rendezvous.items():
+        monkeypatch.setenv(name, value)
+    node1 = _start_node1(rendezvous)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError,
+                           match=r"tensor-parallel rank 1 on node 1 is gone \(its connection closed\)"):
+            LLM(str(tiny_qwen3), tensor_parallel_size=2, nnodes=2, cuda_graph_max_batch=4, **KW)
+        assert time.monotonic() - start < 60 and aborted.is_set()
+        assert multiprocessing.active_children() == [] and not dist.is_initialized()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+        node1.communicate()
+
+
 def test_two_hosts_on_loopback_give_one_ranks_tokens(tiny_qwen3, monkeypatch):
     """Two processes that meet as two "hosts" through env:// on 127.0.0.1, one rank each:
     node 1 runs `astream worker` and takes every other setting from node 0. The port can
@@ -875,10 +942,7 @@ def test_two_hosts_on_loopback_give_one_ranks_tokens(tiny_qwen3, monkeypatch):
     want, _ = _generate(tiny_qwen3, 1)
     for attempt in range(3):
         rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_rendezvous_port())}
-        env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
-        node1 = subprocess.Popen([sys.executable, "-m", "astream.face.cli", "worker", "--nnodes", "2",
-                                  "--node-rank", "1", "--tensor-parallel-size", "2", "--device", "cpu"],
-                                 env=env, stderr=subprocess.PIPE, text=True)
+        node1 = _start_node1(rendezvous)
         try:
             for name, value in rendezvous.items():
                 monkeypatch.setenv(name, value)

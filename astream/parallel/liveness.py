@@ -1,6 +1,9 @@
-"""Rank 0's watch over the processes of its host's other ranks, from a thread of its own.
+"""Rank 0's watch over the other ranks, from a thread of its own: this host's by their
+processes, other hosts' by a connection each holds to rank 0 that carries nothing, so that
+it becomes readable only as it closes, when that rank's process ends.
 
-A rank that dies is found by its process's sentinel, whatever rank 0 is doing meanwhile.
+A rank that dies is found by its process's sentinel (or its connection's end), whatever rank
+0 is doing meanwhile.
 That matters where rank 0 waits inside the device: over NCCL a collective whose peer is
 gone never completes (its kernel spins on the peer's memory), so rank 0 would sit in a
 device synchronize (a graph capture's warm-up), a step's event or a release's drain until
@@ -20,11 +23,13 @@ from typing import Callable
 
 @dataclass(slots=True)
 class RankWatch:
-    """Watches `processes` (rank -> process) until `stop`; the first to end before then is
-    `dead`, and `on_death(rank)` runs on the watch's thread."""
+    """Watches `processes` (rank -> process) and `connections` (rank -> its silent connection)
+    until `stop`; the first to end before then is `dead`, and `on_death(rank)` runs on the
+    watch's thread."""
 
     processes: dict[int, multiprocessing.Process]
     on_death: Callable[[int], object]
+    connections: dict[int, Connection] = field(default_factory=dict)
     dead: int | None = None
     _wake: tuple[Connection, Connection] | None = None
     _thread: threading.Thread | None = None
@@ -32,9 +37,10 @@ class RankWatch:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def start(cls, processes: dict[int, multiprocessing.Process],
-              on_death: Callable[[int], object]) -> "RankWatch":
-        watch = cls(processes, on_death, _wake=multiprocessing.Pipe(duplex=False))
+    def start(cls, processes: dict[int, multiprocessing.Process], on_death: Callable[[int], object],
+              connections: dict[int, Connection] | None = None) -> "RankWatch":
+        watch = cls(processes, on_death, dict(connections or {}),
+                    _wake=multiprocessing.Pipe(duplex=False))
         watch._thread = threading.Thread(target=watch._run, name="astream-tp-watch", daemon=True)
         watch._thread.start()
         return watch
@@ -49,13 +55,14 @@ class RankWatch:
             self._stopped = True
 
     def _run(self) -> None:
-        sentinels = {process.sentinel: rank for rank, process in self.processes.items()}
+        watched: dict = {process.sentinel: rank for rank, process in self.processes.items()}
+        watched.update({conn: rank for rank, conn in self.connections.items()})
         try:
-            ready = wait([self._wake[0], *sentinels])
+            ready = wait([self._wake[0], *watched])
             with self._lock:
                 if self._stopped:
                     return
-                self.dead = min(sentinels[s] for s in ready if s in sentinels)
+                self.dead = min(watched[s] for s in ready if s in watched)
         finally:
             with self._lock:
                 # After `stop` has sent its byte, or once a death is recorded (stop sends none

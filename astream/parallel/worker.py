@@ -78,6 +78,10 @@ def remote_worker_main(rank: int, config: EngineConfig, model: str | None) -> No
         device = rank_device(config.torch_device(), rank % config.ranks_per_node)
         init_group(rank, size, None, device)
         address, key = share_from_rank0()
+        # Held until this process ends, and never written again: its close is how rank 0's
+        # watch learns this rank is gone, even while rank 0 waits inside a collective.
+        silent = Client(address, authkey=key)
+        silent.send(("watch", rank))
         conn = Client(address, authkey=key)
         conn.send(("hello", rank))
         ours, path = conn.recv()
@@ -99,6 +103,7 @@ def remote_worker_main(rank: int, config: EngineConfig, model: str | None) -> No
         _report(conn)
         sys.exit(1)
     _serve(runner, conn)
+    silent.close()
 
 
 def run_node(config: EngineConfig, model: str | None) -> int:

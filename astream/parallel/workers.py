@@ -56,6 +56,7 @@ class WorkerGroup:
     tp: TensorParallel | None = None
     errors: dict[int, str] = field(default_factory=dict)     # rank -> its last words
     lost: set[int] = field(default_factory=set)              # other hosts' ranks whose connection closed
+    silent: dict[int, Connection] = field(default_factory=dict)   # other hosts' ranks: for the watch
     out_of_step: bool = False        # a step that had reached every rank was dropped part-way
     listener: Listener | None = None                         # the step channel, with several hosts
     closed: bool = False
@@ -96,7 +97,7 @@ class WorkerGroup:
             raise
         group.watch = RankWatch.start({rank: process for rank, process in
                                        zip(group._ranks(), group.processes) if process is not None},
-                                      _on_death)
+                                      _on_death, group.silent)
         return group
 
     @property
@@ -247,7 +248,7 @@ class WorkerGroup:
             if process.is_alive():
                 process.kill()
                 process.join()
-        for pipe in self.pipes:
+        for pipe in [*self.pipes, *self.silent.values()]:
             if pipe is not None:
                 pipe.close()
         if self.listener is not None:
@@ -294,17 +295,19 @@ class WorkerGroup:
         return joined[0]
 
     def _accept(self, settings: tuple) -> None:
-        """Take the connections of the other hosts' ranks; each gets rank 0's settings and
-        checkpoint path."""
+        """Take the two connections of each other host's rank: its steps' ("hello"), which
+        gets rank 0's settings and checkpoint path, and a silent one for the watch ("watch")."""
         remote = [rank for rank, pipe in zip(self._ranks(), self.pipes) if pipe is None]
-        while any(self.pipes[rank - 1] is None for rank in remote):
+        while any(self.pipes[rank - 1] is None for rank in remote) or len(self.silent) < len(remote):
             conn = self.listener.accept()
             kind, rank = conn.recv()
-            if kind != "hello" or rank not in remote or self.pipes[rank - 1] is not None:
+            if rank in remote and kind == "hello" and self.pipes[rank - 1] is None:
+                conn.send(settings)
+                self.pipes[rank - 1] = conn
+            elif rank in remote and kind == "watch" and rank not in self.silent:
+                self.silent[rank] = conn
+            else:
                 conn.close()
-                continue
-            conn.send(settings)
-            self.pipes[rank - 1] = conn
 
     def _receive(self, rank: int, kind: str):
         pipe, process = self.pipes[rank - 1], self.processes[rank - 1]
@@ -362,5 +365,6 @@ def rendezvous_address() -> str:
 
 
 def _on_death(rank: int) -> None:
-    log.error("astream: tensor-parallel rank %d died; aborting rank 0's collectives", rank)
+    log.error("astream: tensor-parallel rank %d died or lost its connection; aborting rank 0's "
+              "collectives", rank)
     abort_collectives()
