@@ -182,38 +182,42 @@ def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
 
 def estimate_rows(prefixes: list[int], chunk: int, threshold: float, device, dtype,
                   repeat: int, tile_shapes: list[str]) -> list[dict]:
-    from astream.ops.triton_xattention_scores import antidiagonal_scores_triton
-    scale, block, stride = DIM ** -0.5, 128, 8
     rows = []
     for prefix in prefixes:
-        n_k = prefix + chunk
-        q, k, v = random_qkv(chunk, n_k, device, dtype, seed=n_k)
-
-        def score(splits=None):
-            if device.type != "cuda":
-                return xa.antidiagonal_scores(q, k, block=block, stride=stride, scale=scale)
-            return antidiagonal_scores_triton(q, k, block=block, stride=stride, scale=scale,
-                                              key_splits=splits)
-        one, split = score(1), score()
-        mask = xa.select_blocks_ref(split, threshold=threshold, n_q=chunk, n_k=n_k, block=block)
-        row = {"prefix": prefix, "chunk": chunk, "threshold": threshold,
-               "density": round(xa.density(mask, chunk, n_k, block), 4),
-               "splits_vs_one_err": rel_error(split, one), "ms": {
-                   "score_one_walk": _timed(lambda: score(1), repeat),
-                   "score_split": _timed(score, repeat),
-                   "select": _timed(lambda: xa.select_blocks_ref(
-                       split, threshold=threshold, n_q=chunk, n_k=n_k, block=block), repeat),
-                   "kept_lists": _timed(lambda: kept_block_lists(mask), repeat),
-                   "attend": _timed(lambda: xa.block_sparse_attention(q, k, v, mask, block=block,
-                                                                      scale=scale), repeat)}}
-        for tiles in tile_shapes:
-            row["ms"][f"score_split_{tiles}"] = _with_tiles(tiles, lambda: _timed(score, repeat))
-        rows.append(row)
-        print(row, flush=True)
-        del q, k, v, one, split, mask
-        if device.type == "cuda":
+        rows.append(estimate_row(prefix, chunk, threshold, device, dtype, repeat, tile_shapes))
+        print(rows[-1], flush=True)
+        if device.type == "cuda":          # the next prefix's inputs, not this one's, in memory
             torch.cuda.empty_cache()
     return rows
+
+
+def estimate_row(prefix: int, chunk: int, threshold: float, device, dtype, repeat: int,
+                 tile_shapes: list[str]) -> dict:
+    from astream.ops.triton_xattention_scores import antidiagonal_scores_triton
+    scale, block, stride = DIM ** -0.5, 128, 8
+    n_k = prefix + chunk
+    q, k, v = random_qkv(chunk, n_k, device, dtype, seed=n_k)
+
+    def score(splits=None):
+        if device.type != "cuda":
+            return xa.antidiagonal_scores(q, k, block=block, stride=stride, scale=scale)
+        return antidiagonal_scores_triton(q, k, block=block, stride=stride, scale=scale,
+                                          key_splits=splits)
+    one, split = score(1), score()
+    mask = xa.select_blocks_ref(split, threshold=threshold, n_q=chunk, n_k=n_k, block=block)
+    row = {"prefix": prefix, "chunk": chunk, "threshold": threshold,
+           "density": round(xa.density(mask, chunk, n_k, block), 4),
+           "splits_vs_one_err": rel_error(split, one), "ms": {
+               "score_one_walk": _timed(lambda: score(1), repeat),
+               "score_split": _timed(score, repeat),
+               "select": _timed(lambda: xa.select_blocks_ref(
+                   split, threshold=threshold, n_q=chunk, n_k=n_k, block=block), repeat),
+               "kept_lists": _timed(lambda: kept_block_lists(mask), repeat),
+               "attend": _timed(lambda: xa.block_sparse_attention(q, k, v, mask, block=block,
+                                                                  scale=scale), repeat)}}
+    for tiles in tile_shapes:
+        row["ms"][f"score_split_{tiles}"] = _with_tiles(tiles, lambda: _timed(score, repeat))
+    return row
 
 
 def _with_tiles(tiles: str, fn):

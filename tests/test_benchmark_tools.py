@@ -268,3 +268,15 @@ def test_quest_gqa_recall_runs_through_the_harness(tmp_path):
         assert rows[rule]["info"]["ok"] is True
     mean = {rule: row["figures"]["recall_mean"]["median"] for rule, row in rows.items()}
     assert all(0 < m <= mean["oracle"] + 1e-6 for m in mean.values()) and mean["oracle"] <= 1 + 1e-6
+
+
+def test_sparse_prefill_estimate_section_times_each_part_of_the_last_chunk():
+    import torch
+    from sparse_prefill import estimate_rows
+    rows = estimate_rows([640], 256, 0.5, torch.device("cpu"), torch.float32, 1, ["32x32"])
+    assert len(rows) == 1
+    ms = rows[0]["ms"]
+    assert set(ms) == {"score_one_walk", "score_split", "select", "kept_lists", "attend",
+                       "score_split_32x32"}
+    assert all(len(spread) == 3 and spread[0] > 0 for spread in ms.values())
+    assert 0 < rows[0]["density"] < 1 and rows[0]["splits_vs_one_err"] == 0.0
