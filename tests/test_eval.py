@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from astream.eval import (NEEDLE, RULER_TASKS, CellResult, EvalRun, TrialResult, build_trial, build_trials,
-                          format_summary, parse_configs, parse_depths, parse_lengths, score,
+                          format_summary, parse_configs, parse_depths, parse_lengths, score, summary,
                           write_outputs)
 from astream.eval.filler import filler_sentences
 from astream.eval.problem import NAME, NUMBER
@@ -226,11 +226,33 @@ def test_several_configurations_get_one_table_and_one_plot(tok, tmp_path):
     write_outputs(run, tmp_path)
     for name in ("compare.png", "heatmap-full.png", "heatmap-quest_64_offload.png"):
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
-    table = format_summary(cells).split("accuracy by configuration (same prompts)\n")[1]
+    table = format_summary(cells).split("accuracy by configuration (same prompts")[1]
     assert re.search(r"task\s+length\s+full\s+quest:64\+offload", table)
     for task in ("multikey", "vartrack"):
         for length in (400, 600):
             assert re.search(rf"{task}\s+{length}\s+100%\s+0%", table)
+    assert re.search(r"vs full\s+points\s+-100\.0 ± 0\.0", table)       # every prompt lost
+
+
+def test_the_difference_from_the_first_configuration_is_paired_by_prompt(tok, tmp_path):
+    """Two configurations that each answer half the prompts: alike in accuracy, but on the
+    same half (difference 0 ± 0) or on the other half (0 ± 58 points over 4 prompts)."""
+    trials = build_trials(tok, [NEEDLE], [300], [0.25, 0.75], trials=2)
+    right = [" ".join(t.expected) for t in trials]
+    wrong = ["no idea"] * len(trials)
+    half = [right[0], right[1], wrong[2], wrong[3]]
+    other = [wrong[0], wrong[1], right[2], right[3]]
+
+    def cells(*answers):
+        return [_answered(config, trials[i:i + 2], given[i:i + 2])
+                for config, given in zip(("full", "sparse"), answers) for i in (0, 2)]
+    same = summary(cells(half, half))["sparse"]["against_first"]
+    assert same == {"config": "full", "points": 0.0, "standard_error_points": 0.0, "pairs": 4}
+    apart = summary(cells(half, other))["sparse"]["against_first"]
+    assert (apart["points"], apart["pairs"]) == (0.0, 4)
+    assert apart["standard_error_points"] == pytest.approx(100 * (4 / 3) ** 0.5 / 2, abs=0.01)
+    assert "against_first" not in summary(cells(half, other))["full"]
+    assert re.search(r"vs full\s+points\s+\+0\.0 ± 57\.7", format_summary(cells(half, other)))
 
 
 # ---- the CLI on SmolLM2 ---------------------------------------------------------------------

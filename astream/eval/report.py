@@ -8,6 +8,7 @@ after each trial's first / seconds from then until the cell's last trial ended.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -74,7 +75,8 @@ def summary(cells: Sequence[CellResult]) -> dict:
     """Accuracy and throughput per configuration and per cell (summary.json). Accuracy is a
     fraction in [0, 1]; a cell's prompt tokens are given per trial (the mean) and in total."""
     out: dict = {}
-    for config in _unique(c.config for c in cells):
+    configs = _unique(c.config for c in cells)
+    for config in configs:
         mine = [c for c in cells if c.config == config]
         speed = throughput(mine)
         out[config] = {
@@ -87,7 +89,40 @@ def summary(cells: Sequence[CellResult]) -> dict:
                        "prefill_tok_s": round(throughput([c]).prefill_tok_s, 1),
                        "decode_tok_s": round(throughput([c]).decode_tok_s, 1), **c.policy}
                       for c in mine]}
+        found = paired_difference(cells, config, configs[0]) if config != configs[0] else None
+        if found is not None:
+            out[config]["against_first"] = {"config": configs[0], **found.as_points()}
     return out
+
+
+@dataclass(slots=True, frozen=True)
+class PairedDifference:
+    """A configuration's mean score less the reference's over the trials both ran on the
+    same prompt, and the standard error of that mean (from the per-prompt differences: the
+    prompts' own difficulty cancels, so it is much smaller than the two accuracies' own)."""
+
+    mean: float
+    standard_error: float
+    pairs: int
+
+    def as_points(self) -> dict:
+        return {"points": round(100 * self.mean, 2),
+                "standard_error_points": round(100 * self.standard_error, 2), "pairs": self.pairs}
+
+
+def paired_difference(cells: Sequence[CellResult], config: str,
+                      reference: str) -> PairedDifference | None:
+    """`config` against `reference` over the trials of the same prompts; None under 2 pairs."""
+    def scores(name: str) -> dict:
+        return {(r.trial.task, r.trial.length, r.trial.depth, r.trial.index, r.trial.prompt_sha1):
+                r.score for c in cells if c.config == name for r in c.results}
+    ours, theirs = scores(config), scores(reference)
+    diffs = [ours[key] - theirs[key] for key in ours.keys() & theirs.keys()]
+    if len(diffs) < 2:
+        return None
+    mean = sum(diffs) / len(diffs)
+    variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+    return PairedDifference(mean, math.sqrt(variance / len(diffs)), len(diffs))
 
 
 def format_summary(cells: Sequence[CellResult]) -> str:
@@ -123,10 +158,15 @@ def _compare_table(cells: Sequence[CellResult]) -> str:
                                    for k in configs]
             for task in _unique(c.task for c in cells) for length in _unique(c.length for c in cells)
             if _select(cells, task=task, length=length)]
+    rows.append(["all", ""] + [_pct(_accuracy(_select(cells, config=k))) for k in configs])
+    differences = [paired_difference(cells, k, configs[0]) for k in configs[1:]]
+    rows.append([f"vs {configs[0]}", "points", ""] + [
+        "" if d is None else f"{100 * d.mean:+.1f} ± {100 * d.standard_error:.1f}" for d in differences])
     speeds = [throughput(_select(cells, config=k)) for k in configs]
     rows.append(["prefill", "tok/s"] + [f"{s.prefill_tok_s:,.0f}" for s in speeds])
     rows.append(["decode", "tok/s"] + [f"{s.decode_tok_s:,.0f}" for s in speeds])
-    return "accuracy by configuration (same prompts)\n" + _table(["task", "length", *configs], rows)
+    return ("accuracy by configuration (same prompts; against the first: the mean difference "
+            "± its standard error over the prompts)\n" + _table(["task", "length", *configs], rows))
 
 
 def _select(cells: Iterable[CellResult], **match) -> list[CellResult]:
