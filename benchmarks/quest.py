@@ -98,7 +98,8 @@ Sections (the section's own options after its name; defaults in brackets):
   - `covering`: offloaded Quest at a budget that covers the context against offloaded Full,
     in one engine over one context written into the host pool as `filled` writes it (--ctx
     [1048576], --kv-dtypes [fp8_e4m3], --groups [auto]; the budget is the context). Full runs
-    first (a budget no context reaches: every layer's context through the ring), then Quest,
+    first (a budget no context reaches: every offloaded layer's context through the ring;
+    Quest's dense layers keep theirs on the device in both runs), then Quest,
     told to select from the first decode step (set_budget's select_above: a budget that
     covers the context would otherwise be read densely), so every page is picked and gathered
     from the host pool. Both prefill the prompt's last block alike. The row fails unless
@@ -1254,7 +1255,7 @@ def timed_run(core: EngineCore, tag: str, prompt: list[int],
 
 def covering_row(o, kv: str, ctx: int, group: str, limits: tuple[float, float]) -> dict:
     """`covering`: one offloaded engine over one filled context: Full (a budget no context reaches,
-    which reads every layer through the ring), then Quest at a budget of the whole context,
+    which reads every offloaded layer through the ring), then Quest at a budget of the whole context,
     selecting from the first decode step, so every page of the context is picked and
     gathered. Both prefill the prompt's last block the same way (the prefix cache never
     hands out a prompt's last block), so the runs part only where decode differs."""

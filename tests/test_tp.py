@@ -894,6 +894,30 @@ def test_the_watch_sees_another_hosts_rank_end_by_its_silent_connection():
             conn.close()
 
 
+def test_another_hosts_rank_that_ends_between_its_connections_fails_the_start_at_once(monkeypatch):
+    """Its silent connection taken, its steps' connection never comes: rank 0 says so
+    instead of waiting out the 300 s it gives other hosts to join."""
+    from multiprocessing.connection import Client, Listener
+    monkeypatch.setattr(workers, "join_group", lambda *args: "joined")
+    monkeypatch.setattr(workers, "share_from_rank0", lambda *args: None)
+    group = workers.WorkerGroup([None], [None], ranks_per_node=1)
+    group.listener = Listener(("127.0.0.1", 0), authkey=b"k")
+
+    def node1():
+        silent = Client(group.listener.address, authkey=b"k")
+        silent.send(("watch", 1))
+        silent.close()                                # its process ended
+
+    threading.Thread(target=node1, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match="rank 1 on node 1 stopped while starting"):
+            group._join(2, None, None, None, (None, None, b"k"))
+    finally:
+        group.listener.close()                        # ends the join thread's accept
+    assert time.monotonic() - start < 10
+
+
 def _start_node1(rendezvous: dict) -> subprocess.Popen:
     env = dict(os.environ, **rendezvous, PYTHONPATH=os.pathsep.join([str(Path.cwd()), *sys.path]))
     return subprocess.Popen([sys.executable, "-m", "astream.face.cli", "worker", "--nnodes", "2",

@@ -28,7 +28,7 @@ from astream.ops.triton_tiles import LOG2E, MIN_DOT_DIM, _dim_mask
 QUERY_GROUPS = 128       # stride-groups of queries a program owns (a multiple of a block's)
 KEY_GROUPS = 128         # stride-groups of keys a tile covers
 SCRATCH_BYTES = 256 << 20   # per-block partial sums of one launch (longer chunks are sliced)
-PROGRAMS_PER_SM = 2      # key splits are added until a launch has this many programs an SM
+PROGRAMS_PER_SM = 2      # key splits are added until a launch has at least this many an SM
 MAX_KEY_SPLITS = 64
 
 
@@ -54,27 +54,27 @@ def _estimate(q_ptr, k_ptr, h, kvh, qg, q_ok, last_key, tile, scale_log2, n_q, k
 
 
 @triton.jit
-def _split_tiles(pid, split, n_q, n_k, STRIDE: tl.constexpr, QG: tl.constexpr,
-                 KG: tl.constexpr, SPLITS: tl.constexpr):
+def _split_tiles(pid, split, splits, n_q, n_k, STRIDE: tl.constexpr, QG: tl.constexpr,
+                 KG: tl.constexpr):
     """The key tiles [first, last) of one split of a program's causally visible tiles."""
     last_row = tl.minimum(pid * QG * STRIDE + QG * STRIDE - 1, n_q - 1)
     n_tiles = tl.cdiv((last_row + n_k - n_q) // STRIDE + 1, KG)
-    per_split = tl.cdiv(n_tiles, SPLITS)
+    per_split = tl.cdiv(n_tiles, splits)
     first = split * per_split
     return first, tl.minimum(first + per_split, n_tiles)
 
 
-# Lengths, and the strides that follow them, change with every prompt: specializing on them
-# (divisible by 16 or not) would compile the kernel again in the middle of serving.
-@triton.jit(do_not_specialize=["n_q", "n_k", "key_rows", "stride_ph", "stride_pg", "stride_mh",
-                               "stride_mg", "stride_xh", "stride_xg"])
+# Lengths, the strides that follow them and the key splits change with every prompt (the
+# splits with its prefix): specializing on them (divisible by 16 or not, or a constant)
+# would compile the kernels again in the middle of serving.
+@triton.jit(do_not_specialize=["n_q", "n_k", "key_rows", "splits", "stride_ph", "stride_pg",
+                               "stride_mh", "stride_mg", "stride_xh", "stride_xg"])
 def _partial_kernel(
-    q_ptr, k_ptr, part_sum_ptr, part_max_ptr, split_ptr, scale_log2, n_q, n_k, key_rows,
+    q_ptr, k_ptr, part_sum_ptr, part_max_ptr, split_ptr, scale_log2, n_q, n_k, key_rows, splits,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ph, stride_pg, stride_mh, stride_mg,
     stride_xh, stride_xg,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, STRIDE: tl.constexpr,
-    BLOCK: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr, SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -85,7 +85,7 @@ def _partial_kernel(
     qg = pid * QG + tl.arange(0, QG)
     q_ok = qg * STRIDE < n_q
     last_key = tl.minimum(qg * STRIDE + STRIDE - 1, n_q - 1) + n_k - n_q
-    first, last = _split_tiles(pid, split, n_q, n_k, STRIDE, QG, KG, SPLITS)
+    first, last = _split_tiles(pid, split, splits, n_q, n_k, STRIDE, QG, KG)
     part_sum = part_sum_ptr + h * stride_ph + qg[:, None] * stride_pg
     part_max = part_max_ptr + h * stride_mh + qg * stride_mg
     m_i = tl.full([QG], float("-inf"), tl.float32)
@@ -108,14 +108,13 @@ def _partial_kernel(
     tl.store(stats + 1, l_i)
 
 
-@triton.jit(do_not_specialize=["n_q", "n_k", "n_qb", "n_kb", "stride_sh", "stride_sq",
+@triton.jit(do_not_specialize=["n_q", "n_k", "n_qb", "n_kb", "splits", "stride_sh", "stride_sq",
                                "stride_ph", "stride_pg", "stride_mh", "stride_mg",
                                "stride_xh", "stride_xg"])
 def _finish_kernel(
-    scores_ptr, part_sum_ptr, part_max_ptr, split_ptr, n_q, n_k, n_qb, n_kb,
+    scores_ptr, part_sum_ptr, part_max_ptr, split_ptr, n_q, n_k, n_qb, n_kb, splits,
     stride_sh, stride_sq, stride_ph, stride_pg, stride_mh, stride_mg, stride_xh, stride_xg,
     STRIDE: tl.constexpr, BLOCK: tl.constexpr, QG: tl.constexpr, KG: tl.constexpr,
-    SPLITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -125,19 +124,21 @@ def _finish_kernel(
     KB: tl.constexpr = KG // G
     qg = pid * QG + tl.arange(0, QG)
     q_ok = qg * STRIDE < n_q
-    stats = split_ptr + h * stride_xh + qg[:, None] * stride_xg + tl.arange(0, SPLITS)[None, :] * 2
-    split_max = tl.load(stats)
-    split_sum = tl.load(stats + 1)
-    m_i = tl.max(split_max, axis=1)
+    stats = split_ptr + h * stride_xh + qg * stride_xg
+    m_i = tl.full([QG], float("-inf"), tl.float32)
+    for s in range(splits):
+        m_i = tl.maximum(m_i, tl.load(stats + s * 2))
     m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    l_i = tl.sum(split_sum * tl.exp2(split_max - m_safe[:, None]), axis=1)
+    l_i = tl.zeros([QG], tl.float32)
+    for s in range(splits):           # a split with no visible key holds (-inf, 0): adds 0
+        l_i += tl.load(stats + s * 2 + 1) * tl.exp2(tl.load(stats + s * 2) - m_safe)
     inv_l = tl.where(l_i > 0.0, 1.0 / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
     groups = tl.sum(tl.reshape(q_ok.to(tl.float32), (QB, G)), axis=1)    # real groups per block
     per_group = tl.where(groups > 0.0, 1.0 / tl.where(groups > 0.0, groups, 1.0), 0.0)
     q_blocks = pid * QB + tl.arange(0, QB)
     part_sum = part_sum_ptr + h * stride_ph + qg[:, None] * stride_pg
     part_max = part_max_ptr + h * stride_mh + qg * stride_mg
-    first, last = _split_tiles(pid, split, n_q, n_k, STRIDE, QG, KG, SPLITS)
+    first, last = _split_tiles(pid, split, splits, n_q, n_k, STRIDE, QG, KG)
     for tile in range(first, last):
         k_blocks = tile * KB + tl.arange(0, KB)
         tile_max = tl.load(part_max + tile)
@@ -182,8 +183,9 @@ def antidiagonal_scores_triton(q: Tensor, k: Tensor, *, block: int, stride: int,
 
 
 def fill_splits(programs: int, tiles: int, device: torch.device) -> int:
-    """Key splits (a power of two) that give a launch of `programs` query programs
-    PROGRAMS_PER_SM programs an SM, no more than it has key tiles."""
+    """Key splits (a power of two, at most MAX_KEY_SPLITS) that give a launch of `programs`
+    query programs at least PROGRAMS_PER_SM programs an SM where it has the key tiles for
+    them (a split past a program's own tiles just ends at once)."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -206,18 +208,18 @@ def _launch(q: Tensor, k: Tensor, n_k: int, scores: Tensor, block: int, stride: 
                               device=q.device)
     grid = (programs, n_heads, splits)
     _partial_kernel[grid](
-        q, k, part_sum, part_max, split_stats, scale * LOG2E / stride, n_q, n_k, key_rows,
+        q, k, part_sum, part_max, split_stats, scale * LOG2E / stride, n_q, n_k, key_rows, splits,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), part_sum.stride(0), part_sum.stride(1),
         part_max.stride(0), part_max.stride(1), split_stats.stride(0), split_stats.stride(1),
         GROUP=n_heads // kv_heads, HEAD_DIM=head_dim,
         D_PAD=max(triton.next_power_of_2(head_dim), MIN_DOT_DIM), STRIDE=stride, BLOCK=block,
-        QG=query_groups, KG=key_groups, SPLITS=splits,
+        QG=query_groups, KG=key_groups,
         PRECISION="ieee" if k.dtype == torch.float32 else "tf32", num_warps=8, num_stages=2,
     )
     _finish_kernel[grid](
         scores, part_sum, part_max, split_stats, n_q, n_k, triton.cdiv(n_q, block),
-        triton.cdiv(n_k, block), scores.stride(0), scores.stride(1), part_sum.stride(0),
+        triton.cdiv(n_k, block), splits, scores.stride(0), scores.stride(1), part_sum.stride(0),
         part_sum.stride(1), part_max.stride(0), part_max.stride(1), split_stats.stride(0),
         split_stats.stride(1), STRIDE=stride, BLOCK=block, QG=query_groups, KG=key_groups,
-        SPLITS=splits, num_warps=4,
+        num_warps=4,
     )

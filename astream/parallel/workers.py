@@ -283,6 +283,11 @@ class WorkerGroup:
                 if process is not None and process.exitcode is not None:
                     self._collect_errors()
                     raise TensorParallelError(self._startup_death(rank, process.exitcode))
+            # Another host's rank that ends between its two connections: its silent one has
+            # closed, and its steps' one will never come.
+            for rank, conn in list(self.silent.items()):
+                if self.pipes[rank - 1] is None and conn.poll():
+                    raise TensorParallelError(self._startup_death(rank, None, remote=True))
             if time.monotonic() > deadline:
                 missing = [rank for rank, pipe in zip(self._ranks(), self.pipes) if pipe is None]
                 raise TensorParallelError(
