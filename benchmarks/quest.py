@@ -21,6 +21,8 @@ Sections (the section's own options after its name; defaults in brackets):
   reference,triton (in turn); --dense-graphs auto|never (offload Full: a chain of graphs,
   or the eager ring); --reuse-pages; --prefetch 0,1.5 (offload: Quest's prefetch values, in
   turn for each budget; `late_bytes_per_step` is what the layers still gathered themselves);
+  --keys-on-device (offload: Quest's `keys_on_device`, the selecting layers' keys kept on the
+  device, so the gathered bytes, which count only what crosses PCIe, are the values');
   --eager (no CUDA graphs); --tokenizer DIR.
 - `kernels`: the decode kernels against their torch references, then timings. bf16, the
   Qwen3-4B/8B attention shape (8 KV heads, 4 query heads each, head_dim 128), page 16, KV
@@ -89,7 +91,8 @@ Sections (the section's own options after its name; defaults in brackets):
   allocating and pinning the pool, `device_used_gib`, `device_allocated_gib`), `engine_s`,
   `fill_s`, and `pages_per_selection` (a row fails unless it is the budget's pages).
   --cases [1048576x1] --kv-dtypes [fp8_e4m3] --budgets [4096] --groups [auto] (auto: the
-  policy's rule; on, off, or several in turn) --shape [qwen3-4b] --steps [10]; --smoke:
+  policy's rule; on, off, or several in turn) --shape [qwen3-4b] --steps [10]
+  --keys-on-device (as in `speed`); --smoke:
   the tiny shape, 64-token blocks, groups of 4 pages, contexts 2048x1,1024x2.
 
 - `agreement`: two runs that must give the same greedy tokens at long contexts, random weights
@@ -217,6 +220,9 @@ def add_arguments(parser) -> None:
                         help="speed: Quest's GQA reductions in turn, e.g. max,relative")
     parser.add_argument("--prefetch", default="0",
                         help="speed, offload: Quest prefetch values in turn, e.g. 0,1,1.5")
+    parser.add_argument("--keys-on-device", action="store_true",
+                        help="speed, filled: offloaded engines keep the selecting layers' keys on "
+                             "the device (QuestPolicy keys_on_device)")
     parser.add_argument("--offload", action="store_true", help="profile: offload the KV cache")
     parser.add_argument("--reps", type=int, default=None, help="timed calls of a kernel a run")
     parser.add_argument("--contexts", default=None, help="the kernel sections' contexts")
@@ -307,6 +313,12 @@ def ms(times: list[float]) -> list[float]:
     return [round(t * 1e3, 3) for t in times]
 
 
+def keeps_device_keys(core: EngineCore) -> bool:
+    """Whether the engine's offloaded layers gather keys from a device copy (keys_on_device)."""
+    offload = core.runner.offload
+    return offload is not None and any(k is not None for k in offload.device_k)
+
+
 def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
     before = core.stats()
     times = decode_steps(core, steps)
@@ -317,6 +329,8 @@ def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
         return sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
 
     element = PAGE_ELEMENTS * (1 if after["kv_cache_dtype"].startswith("float8") else 2)
+    if keeps_device_keys(core):
+        element //= 2                  # the keys are read on the device: only values cross PCIe
     buffered = pages("quest_pages_loaded") > 0
     gathered = pages("quest_pages_loaded" if buffered else "quest_pages_read") * element
     late = pages("quest_pages_loaded_late" if buffered else "quest_pages_read") * element
@@ -355,7 +369,9 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
                         decode_steps(core, 2)                    # warm-up (and Triton compiles)
                         yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
                                 "budget": "full" if budget == FULL else budget,
-                                "prefetch": prefetch, "gqa_reduce": reduce, "layer_kernels": kernels,
+                                "prefetch": prefetch, "gqa_reduce": reduce,
+                                "keys_on_device": keeps_device_keys(core),
+                                "layer_kernels": kernels,
                                 "dense_graphs": dense_graphs},
                                partial(measure_steps, core, steps, prefill_s))
             for rid in ids:
@@ -380,7 +396,8 @@ def speed_cases(o):
                 dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
                 max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
-                                          reuse_pages=o.reuse_pages, prefetch=max(prefetches)),
+                                          reuse_pages=o.reuse_pages, prefetch=max(prefetches),
+                                          keys_on_device=o.keys_on_device),
                 max_num_batched_tokens=16384, enforce_eager=o.eager)
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
@@ -392,7 +409,7 @@ def speed_cases(o):
         if "resident" not in skip:
             # Page reuse is for offload (it raises without it): resident runs leave it off.
             resident = {**kv_base, "sparse_policy": dataclasses.replace(
-                base["sparse_policy"], reuse_pages=False, prefetch=0)}
+                base["sparse_policy"], reuse_pages=False, prefetch=0, keys_on_device=False)}
             yield from engine_speed_cases(EngineConfig(**resident), "resident", resident_cases,
                                           budgets, o.steps, kernel_sets, "auto",
                                           reductions=reductions)
@@ -1102,6 +1119,7 @@ def filled_config(o, kv: str, ctx: int, batch: int, budget: int, tokenizer: str)
         offload=True, kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx,
         max_num_batched_tokens=16384, enforce_eager=o.eager,
         sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=1 if o.smoke else 2,
+                                  keys_on_device=o.keys_on_device,
                                   **({"group_pages": 4} if o.shape == "tiny" else {})),
         **({"kv_block_size": 64} if o.shape == "tiny" else {}))
 

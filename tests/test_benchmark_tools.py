@@ -95,7 +95,8 @@ def test_pipelined_steps_time_each_step_and_lose_no_token(tmp_path):
 
 # Smaller than --smoke's own shapes where a section builds engines, to keep the test short.
 SMOKE_SECTIONS = {
-    "speed": ["--cases", "256x1", "--budgets", "full,64", "--steps", "2", "--prefetch", "0,1.5"],
+    "speed": ["--cases", "256x1", "--budgets", "full,64", "--steps", "2", "--prefetch", "0,1.5",
+              "--keys-on-device"],
     "kernels": [],
     "kernel_sweep": [],
     "layouts": [],
@@ -104,7 +105,7 @@ SMOKE_SECTIONS = {
     "profile": [],
     "reuse": ["--ctx", "300", "--steps", "3"],
     # Contexts written straight into the host pool, the two-level selection on and off.
-    "filled": ["--cases", "1024x2", "--groups", "off,on", "--steps", "2"],
+    "filled": ["--cases", "1024x2", "--groups", "off,on", "--steps", "2", "--keys-on-device"],
     # Its rows are checks (ok: the same tokens with and without prefetch), no figures.
     "prefetch": ["--cases", "300x2", "--steps", "4", "--prefetch", "1.5"],
     # float32: Quest at a covering budget (two-level selection) gives Full's tokens and

@@ -27,11 +27,11 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
 
 def plan_million(max_num_seqs: int = 1, available: MemoryAvailable = H100, rank: int = 0,
-                 device: torch.device = CUDA, **engine):
+                 device: torch.device = CUDA, policy: QuestPolicy = QuestPolicy(budget_tokens=4096),
+                 **engine):
     model = ModelConfig.from_hf(QWEN3_4B)
     config = EngineConfig(offload=True, max_model_len=MILLION, max_num_seqs=max_num_seqs,
                           kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=16384, **engine)
-    policy = QuestPolicy(budget_tokens=4096)
     # Weights are on the device when the engine plans: they count as used.
     weights = weight_bytes(model, torch.bfloat16)
     available = MemoryAvailable(available.device_free - weights, available.device_total,
@@ -75,6 +75,19 @@ def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_form
     assert mem.device_total < 0.85 * 80 * GiB
     line = mem.describe()
     assert line.startswith("host pinned 72.00 GiB, device ") and "policy_metadata 4.52" in line
+
+
+def test_keys_kept_on_the_device_are_half_the_selecting_layers_pool_and_still_fit():
+    """A million fp8 tokens with Quest's keys_on_device: the 34 selecting layers' keys (34 GiB)
+    join the device plan, the ring gives way, and the plan still fits an 80 GiB GPU."""
+    _, plain = plan_million()
+    _, keys = plan_million(policy=QuestPolicy(budget_tokens=4096, keys_on_device=True))
+    layer_block = 2 * 8 * 128 * 256                   # one layer's fp8 K and V of a block
+    assert plain.memory.device_keys == 0
+    assert keys.memory.device_keys == 34 * 4096 * layer_block // 2 == 34 * GiB
+    assert keys.offload.slot_blocks < plain.offload.slot_blocks
+    assert keys.memory.device_total < 0.85 * 80 * GiB
+    assert "device_keys 34.00" in keys.memory.describe()
 
 
 def test_a_million_token_sparse_prefill_plans_its_prefixes_and_fits():

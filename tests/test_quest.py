@@ -145,6 +145,46 @@ def test_prefetched_pages_give_plain_quests_tokens_and_load_most_pages_a_layer_e
     assert stats[1.5]["kv_blocks_free"] == stats[1.5]["kv_blocks_total"]
 
 
+def test_keys_on_the_device_give_plain_quests_tokens_and_only_values_come_from_the_host(monkeypatch):
+    """keys_on_device: every selecting layer's keys are copied to the device as they leave for
+    the host, and its pages are gathered with keys from that copy, values from the pool."""
+    from astream.kvcache import offload_engine
+    prompts = [LONG, LONG.replace("stones", "pebbles"), *SHORT]
+    results, sources, sent = {}, [], set()
+    gather, to_host = offload_engine.gather_pages, offload_engine.OffloadEngine._copy_to_host
+    monkeypatch.setattr(offload_engine, "gather_pages",
+                        lambda k, v, *rest: (sources.append((k, v)), gather(k, v, *rest))[1])
+
+    def copy_to_host(engine, layer, run, k, v):
+        sent.update((layer, block) for block in range(run.dst, run.dst + run.count))
+        to_host(engine, layer, run, k, v)
+    monkeypatch.setattr(offload_engine.OffloadEngine, "_copy_to_host", copy_to_host)
+    for keys in (False, True):
+        with LLM(**KW, offload=True, max_num_batched_tokens=256, sparse_policy=QuestPolicy(
+                budget_tokens=128, dense_layers=2, keys_on_device=keys)) as llm:
+            results[keys] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            engine, plan = llm.core.runner.offload, llm.core.plan
+            if keys:
+                assert [k is None for k in engine.device_k] == [True, True] + [False] * 28
+                layer_block = engine.host_k[2][0].numel() * engine.host_k[2].element_size()
+                assert plan.memory.device_keys == 28 * plan.num_blocks * layer_block
+                assert any(layer == 5 for layer, _ in sent) and all(
+                    torch.equal(engine.device_k[layer][block], engine.host_k[layer][block])
+                    for layer, block in sent if layer >= 2)
+                assert sources and all(
+                    any(k is engine.device_k[layer] for layer in range(2, 30)) and
+                    any(v is engine.host_v[layer] for layer in range(2, 30)) for k, v in sources)
+            else:
+                assert engine.device_k == [None] * 30 and plan.memory.device_keys == 0
+                sources.clear()
+    assert results[True] == results[False]
+    with pytest.raises(ValueError, match="keys_on_device .* needs offload=True"):
+        Engine.check_options(sparse_policy=QuestPolicy(keys_on_device=True))
+    with pytest.raises(ValueError, match="keys_on_device must be True or False"):
+        QuestPolicy(keys_on_device=1)
+    assert Engine.check_options(sparse_policy="xattention+quest(keys_on_device=True)", offload=True)
+
+
 def test_a_wrong_prediction_costs_loads_never_tokens(monkeypatch):
     """The prediction only decides what loads early: with a random early query the tokens
     are plain Quest's, and the layers load more pages themselves."""

@@ -230,16 +230,19 @@ def test_a_gguf_model_splits_over_three_ranks(smollm2_path):
 def test_quest_with_offload_under_tp_selects_per_rank(tiny_qwen3):
     """Each rank's Quest chooses pages of its own KV heads from its own host pool: the same
     tokens as one rank's, and Full's for the rows the budget covers (the long one makes the
-    sparse layers select)."""
+    sparse layers select). With keys_on_device each rank gathers its keys from its own device."""
     prompts = ["one two three four five six seven " * 12, "hello there", "The quick brown fox"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     runs = {}
     quest = "quest(dense_layers=1, budget_tokens=48)"
-    for name, size, policy in (("full", 1, "full"), ("quest1", 1, quest), ("quest2", 2, quest)):
+    keys = "quest(dense_layers=1, budget_tokens=48, keys_on_device=True)"
+    for name, size, policy in (("full", 1, "full"), ("quest1", 1, quest), ("quest2", 2, quest),
+                               ("keys2", 2, keys)):
         with LLM(str(tiny_qwen3), tensor_parallel_size=size, sparse_policy=policy,
                  **{**KW, **OFFLOAD}) as llm:
             runs[name] = (llm.generate(prompts, params), llm.stats())
     _same_outputs(runs["quest2"][0], runs["quest1"][0])
+    _same_outputs(runs["keys2"][0], runs["quest1"][0])
     _same_outputs(runs["quest2"][0][1:], runs["full"][0][1:])
     whole, shard = runs["quest1"][1], runs["quest2"][1]
     assert sum(shard["quest_selections"]) > 0

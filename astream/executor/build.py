@@ -72,7 +72,8 @@ def build_runner(config: EngineConfig, plan: CachePlan, decoder: Decoder, runtim
         offload = OffloadEngine.allocate(
             model, plan.num_blocks, plan.block_size, sizes.num_slots, sizes.slot_blocks,
             sizes.staging_blocks, config.max_num_seqs, fmt, runtime,
-            device_layers=tuple(sorted(bound.traits.device_layers)))
+            device_layers=tuple(sorted(bound.traits.device_layers)),
+            key_layers=policy.offload_key_layers(model.num_layers))
         runner = ModelRunner(**parts, offload=offload)
     else:
         cache = PagedKVCache.allocate(model, plan.num_blocks, plan.block_size, fmt, device)

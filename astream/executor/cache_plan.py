@@ -35,9 +35,10 @@ def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
     element type, per byte of KV), with offload the layers whose KV it keeps on the device as
     well and its decode buffers, and the decode graphs' sampling tables."""
     device_layers = len(policy.offload_device_layers(model.num_layers)) if config.offload else 0
+    key_layers = len(policy.offload_key_layers(model.num_layers)) if config.offload else 0
     return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
                        _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers,
-                       graph_sampling_rows(config, device, rank))
+                       graph_sampling_rows(config, device, rank), key_layers)
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
@@ -53,7 +54,7 @@ def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: Engin
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
                 device_reserve_bytes: int = 0, device_layers: int = 0,
-                graph_rows: int = 0) -> CacheSpec:
+                graph_rows: int = 0, key_layers: int = 0) -> CacheSpec:
     """Under tensor parallelism each rank plans its own shard's cache: its share of
     `offload_host_gib`, and of this host's RAM with the other ranks that pin pools in it."""
     ranks = config.tensor_parallel_size
@@ -64,6 +65,7 @@ def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool =
         num_kv_blocks=config.num_kv_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
         cpu_kv_cache_gib=config.cpu_kv_cache_gib, offload_host_gib=host_gib,
         offload_ring_slots=config.offload_ring_slots, offload_slot_tokens=config.offload_slot_tokens,
-        kv_overhead=kv_overhead, device_layers=device_layers, whole_prefix=sparse_prefill and config.offload,
+        kv_overhead=kv_overhead, device_layers=device_layers, device_key_layers=key_layers,
+        whole_prefix=sparse_prefill and config.offload,
         device_reserve_bytes=device_reserve_bytes,
         host_ranks=config.ranks_per_node, graph_sampling_rows=graph_rows)

@@ -12,7 +12,10 @@ it in one piece) and every copy between host and device is a plain block range:
 - on_device: for the layers a sparse policy never makes sparse (`device_layers`, e.g.
   Quest's dense layers), a device copy of their whole cache, paged by the host pool's
   block ids. Those layers are read and written there only: their KV never crosses PCIe
-  (the resident path's attention runs on it, through `on_device`).
+  (the resident path's attention runs on it, through `on_device`);
+- device keys: for the layers a policy asks (`key_layers`, Quest's `keys_on_device`), a
+  device copy of the host pool's keys, block for block, written as the keys leave for the
+  host: `gather_pages` reads their keys there and only their values over PCIe.
 
 Its whole API: `write_layer` (a layer's new KV in, and on its way to the host; after a
 captured decode step, `send_tails` and `wait_offloads` do its ordering from outside),
@@ -105,6 +108,7 @@ class OffloadEngine:
     host_pool: PinnedHostTensor | None = None   # owns host_k/host_v's memory
     on_device: PagedKVCache | None = None       # device copy of the layers that read everything
     device_layers: frozenset[int] = frozenset()
+    device_k: list[torch.Tensor | None] = field(default_factory=list)   # per layer: keys kept here
     h2d: torch.cuda.Stream | None = None
     d2h: torch.cuda.Stream | None = None
     prefetch: torch.cuda.Stream | None = None
@@ -116,7 +120,8 @@ class OffloadEngine:
     @classmethod
     def allocate(cls, model: ModelConfig, host_blocks: int, block_size: int, num_slots: int,
                  slot_blocks: int, staging_blocks: int, max_seqs: int, fmt: KVFormat,
-                 runtime: DeviceRuntime, device_layers: tuple[int, ...] = ()) -> "OffloadEngine":
+                 runtime: DeviceRuntime, device_layers: tuple[int, ...] = (),
+                 key_layers: tuple[int, ...] = ()) -> "OffloadEngine":
         shape = (model.num_kv_heads, block_size, model.head_dim)
         device, pin, dtype = runtime.device, runtime.is_cuda, fmt.dtype
 
@@ -132,9 +137,12 @@ class OffloadEngine:
         staging = [tuple(buffers(staging_blocks, 2)) for _ in range(2)]
         on_device = PagedKVCache.allocate_layers(model, device_layers, host_blocks, block_size,
                                                  fmt, device) if device_layers else None
+        # Like the pool, read only where written: no zeroing.
+        device_k = [torch.empty((host_blocks, *shape), dtype=dtype, device=device)
+                    if layer in key_layers else None for layer in range(layers)]
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
                    buffers(max_seqs + 1, layers), fmt, pool, on_device, frozenset(device_layers),
-                   h2d=runtime.new_stream(), d2h=runtime.new_stream(),
+                   device_k, h2d=runtime.new_stream(), d2h=runtime.new_stream(),
                    prefetch=runtime.new_stream(priority=-1), offloaded=[None] * layers)
 
     @property
@@ -215,6 +223,8 @@ class OffloadEngine:
         src, dst, count = run
         self.host_k[layer][dst:dst + count].copy_(k[src:src + count], non_blocking=True)
         self.host_v[layer][dst:dst + count].copy_(v[src:src + count], non_blocking=True)
+        if self.device_k and self.device_k[layer] is not None:    # on the same stream and event
+            self.device_k[layer][dst:dst + count].copy_(k[src:src + count], non_blocking=True)
         self.bytes_offloaded += count * self.block_bytes
 
     # ---- loads: host -> ring slots --------------------------------------------------------------
@@ -234,7 +244,8 @@ class OffloadEngine:
         counts [B, KVH] of each row real) read in place by a device kernel, on the current
         stream (compute, or prefetch), into dense k, v [B, KVH, P * page_size, head_dim]: new
         buffers, or `into` (of any number of pages), where with dst_pages [B, KVH, P] entry p
-        fills page dst_pages[b, h, p] (-1: not read)."""
+        fills page dst_pages[b, h, p] (-1: not read). Where the device keeps the layer's keys,
+        they are read there, and only the values cross PCIe."""
         rt = self.runtime
         rt.wait(self.offloaded[layer])          # no page is read while it is being written
         if into is None:
@@ -242,8 +253,9 @@ class OffloadEngine:
             shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
             into = (torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device),
                     torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device))
-        gather_pages(self.host_k[layer], self.host_v[layer], page_ids, *into, counts, dst_pages,
-                     page_size)
+        keys = self.device_k[layer] if self.device_k and self.device_k[layer] is not None \
+            else self.host_k[layer]
+        gather_pages(keys, self.host_v[layer], page_ids, *into, counts, dst_pages, page_size)
         return into
 
     def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:

@@ -50,6 +50,7 @@ class CacheSpec:
     offload_slot_tokens: int | None = None
     kv_overhead: float = 0.0        # device bytes of policy metadata per byte of KV in the cache
     device_layers: int = 0          # with offload: layers whose KV the device keeps a copy of
+    device_key_layers: int = 0      # with offload: layers whose keys the device keeps a copy of
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
     host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
@@ -79,7 +80,7 @@ class MemoryAvailable:
 
 
 # MemoryPlan's device fields, in the order the start-up line shows them; the device total is their sum.
-DEVICE_PARTS = ("weights", "device_kv", "ring", "staging", "tails", "policy_metadata",
+DEVICE_PARTS = ("weights", "device_kv", "device_keys", "ring", "staging", "tails", "policy_metadata",
                 "decode_buffers", "prefix_buffers", "prefill_context", "graph_sampling", "activations")
 
 
@@ -88,7 +89,8 @@ class MemoryPlan:
     """Where a cache plan's memory goes, in bytes (docs/ENGINE.md, "Memory plan").
 
     Host: the KV pool (offload). Device: the weights (dense, in the model's dtype), the KV
-    kept there (the whole cache, or with offload the device layers' copy), the offload
+    kept there (the whole cache, or with offload the device layers' copy), with offload the
+    keys of the layers whose pages are gathered with keys from the device, the offload
     buffers (ring, staging, tails), the policy's metadata (Quest's page and group bounds),
     its decode buffers, packed prefixes (sparse prefill with offload), the largest context
     a prefill step dequantizes at once (with offload: a ring slot, or a device layer's whole
@@ -99,6 +101,7 @@ class MemoryPlan:
     host_pool: int = 0
     weights: int = 0
     device_kv: int = 0
+    device_keys: int = 0
     ring: int = 0
     staging: int = 0
     tails: int = 0
@@ -154,7 +157,9 @@ def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: t
     metadata = int(blocks * block_bytes * cfg.kv_overhead)
     offload = None
     if cfg.offload:     # the policy's metadata of the host pool's blocks lives on the device
-        mirrored = cfg.device_layers * blocks * (block_bytes // model.num_layers)
+        layer_block_bytes = block_bytes // model.num_layers
+        mirrored = (cfg.device_layers * layer_block_bytes
+                    + cfg.device_key_layers * (layer_block_bytes // 2)) * blocks
         offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata + mirrored,
                                 kv_dtype, available)
     memory = memory_plan(cfg, model, dtype, kv_dtype, blocks, budget, max_len, offload)
@@ -180,6 +185,7 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
                   _device_layer_context(cfg, max_len, layer_block_bytes, packed))
     return MemoryPlan(
         host_pool=blocks * block_bytes, device_kv=cfg.device_layers * blocks * layer_block_bytes,
+        device_keys=cfg.device_key_layers * blocks * (layer_block_bytes // 2),
         ring=offload.num_slots * offload.slot_blocks * layer_block_bytes,
         staging=2 * offload.staging_blocks * layer_block_bytes,
         tails=model.num_layers * (cfg.max_num_seqs + 1) * layer_block_bytes,
@@ -303,7 +309,8 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
         raise ValueError("no GPU memory left for the offload ring: one slot needs "
                          f"{layer_block_bytes / _MiB:.1f} MiB per block, and the sparse policy's "
                          f"device data takes {metadata_bytes / _MiB:.0f} MiB (Quest's dense layers "
-                         f"stay on the device) and its decode buffers {cfg.device_reserve_bytes / _MiB:.0f} "
+                         "stay on the device, and with keys_on_device every other layer's keys) "
+                         f"and its decode buffers {cfg.device_reserve_bytes / _MiB:.0f} "
                          "MiB (Quest's reuse_pages); lower max_num_batched_tokens, max_num_seqs, "
                          "offload_ring_slots, the host pool, the policy's dense layers or budget, or "
                          "raise gpu_memory_utilization")

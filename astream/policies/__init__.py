@@ -46,6 +46,9 @@ def check_policy_mode(policy: SparsePolicy, offload: bool) -> None:
     if not offload and policy.decode_buffer_tokens():
         raise ValueError(f"sparse policy {policy.name}: reuse_pages and prefetch keep pages of an "
                          "offloaded cache on the device; they need offload=True")
+    if not offload and policy.keeps_keys_on_device:
+        raise ValueError(f"sparse policy {policy.name}: keys_on_device keeps a device copy of an "
+                         "offloaded cache's keys; it needs offload=True")
 
 
 def _combined_policy(spec: str, parts: list[tuple[str, dict]], budget_tokens: int | None) -> CombinedPolicy:

@@ -222,3 +222,16 @@ class SparsePolicy:
         policy selects (loading them through the ring would dominate such a step). Its
         runtime declares the same layers (`PolicyTraits.device_layers`)."""
         return ()
+
+    @property
+    def keeps_keys_on_device(self) -> bool:
+        """Whether `offload_key_layers` names any layer (of a model with more than the
+        policy's dense layers)."""
+        return False
+
+    def offload_key_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Layers whose keys the device keeps a copy of when the cache is offloaded: the
+        pages the policy selects there are then gathered with their keys from the device and
+        only their values over PCIe (kvcache.OffloadEngine.gather_pages). Counted in the
+        memory plan; none by default."""
+        return ()

@@ -46,6 +46,13 @@ class CombinedPolicy(SparsePolicy):
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         return self.decode.offload_device_layers(num_layers)
 
+    @property
+    def keeps_keys_on_device(self) -> bool:
+        return self.decode.keeps_keys_on_device
+
+    def offload_key_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.decode.offload_key_layers(num_layers)
+
     def decode_buffer_tokens(self, max_context: int | None = None) -> int:
         return self.decode.decode_buffer_tokens(max_context)
 

@@ -27,6 +27,12 @@ pages the prediction missed. The prediction decides only what is loaded early, n
 attention reads, so the tokens are those of plain Quest. Either costs device memory, counted
 when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV heads x
 max(1, F) x budget_tokens x head_dim.
+
+With offload, `keys_on_device=True` keeps a device copy of every selecting layer's keys
+beside the host pool (written as the keys leave for the host): the selected pages are then
+gathered with their keys from device memory and only their values over PCIe, half the bytes
+of a step's gather. It costs half the host pool's size in device memory, counted in the
+memory plan (`device_keys`); the tokens are plain Quest's.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class QuestPolicy(SparsePolicy):
     gqa_reduce: str = "max"
     reuse_pages: bool = False
     prefetch: float = 0.0            # 0: off; else pages predicted a layer ahead, x the budget
+    keys_on_device: bool = False     # with offload: selecting layers' keys kept on the device too
     # Two-level selection above group_above_pages pages (docs/ENGINE.md, Quest): groups of
     # group_pages pages of a block, kept holding group_factor x the budget's pages.
     group_pages: int = 16
@@ -76,8 +83,9 @@ class QuestPolicy(SparsePolicy):
             raise ValueError(f"QuestPolicy budget_tokens {self.budget_tokens} must hold at least the "
                              f"sink and recent pages ({self.sink_pages + self.recent_pages} of "
                              f"{self.page_size} tokens)")
-        if not isinstance(self.reuse_pages, bool):
-            raise ValueError(f"QuestPolicy reuse_pages must be True or False, got {self.reuse_pages!r}")
+        for key in ("reuse_pages", "keys_on_device"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"QuestPolicy {key} must be True or False, got {getattr(self, key)!r}")
         if (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, (int, float))
                 or not (self.prefetch == 0 or 1 <= self.prefetch <= 8)):
             raise ValueError(f"QuestPolicy prefetch must be 0 (off) or a multiple of the budget "
@@ -120,6 +128,16 @@ class QuestPolicy(SparsePolicy):
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         dense = min(self.dense_layers, num_layers)
         return tuple(range(dense)) if dense < num_layers else ()
+
+    @property
+    def keeps_keys_on_device(self) -> bool:
+        return self.keys_on_device
+
+    def offload_key_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layers that select pages, where `keys_on_device`."""
+        if not self.keys_on_device:
+            return ()
+        return tuple(range(min(self.dense_layers, num_layers), num_layers))
 
     def bind(self, layout: KVLayout) -> "QuestRuntime":
         ops.pages_per_block(layout.block_size, self.page_size)          # raises if they do not fit
