@@ -61,8 +61,9 @@ def _write_kv(core: EngineCore, ids: list[int], seed: int) -> None:
                 continue
             for host, new in ((engine.host_k[layer], k), (engine.host_v[layer], v)):
                 _copy_blocks(host, chunk, new.transpose(1, 2))
-            if engine.device_k[layer] is not None:  # keys_on_device: the device's copy too
-                engine.device_k[layer][index] = k.transpose(1, 2)
+            device_k = engine.device_keys(layer)
+            if device_k is not None:                # keys_on_device: the device's copy too
+                device_k[index] = k.transpose(1, 2)
     core.runtime.synchronize()
 
 

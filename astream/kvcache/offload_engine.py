@@ -223,8 +223,9 @@ class OffloadEngine:
         src, dst, count = run
         self.host_k[layer][dst:dst + count].copy_(k[src:src + count], non_blocking=True)
         self.host_v[layer][dst:dst + count].copy_(v[src:src + count], non_blocking=True)
-        if self.device_k and self.device_k[layer] is not None:    # on the same stream and event
-            self.device_k[layer][dst:dst + count].copy_(k[src:src + count], non_blocking=True)
+        device_k = self.device_keys(layer)
+        if device_k is not None:                # on the same stream, under the same event
+            device_k[dst:dst + count].copy_(k[src:src + count], non_blocking=True)
         self.bytes_offloaded += count * self.block_bytes
 
     # ---- loads: host -> ring slots --------------------------------------------------------------
@@ -253,10 +254,14 @@ class OffloadEngine:
             shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
             into = (torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device),
                     torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device))
-        keys = self.device_k[layer] if self.device_k and self.device_k[layer] is not None \
-            else self.host_k[layer]
-        gather_pages(keys, self.host_v[layer], page_ids, *into, counts, dst_pages, page_size)
+        keys = self.device_keys(layer)
+        gather_pages(self.host_k[layer] if keys is None else keys, self.host_v[layer], page_ids,
+                     *into, counts, dst_pages, page_size)
         return into
+
+    def device_keys(self, layer: int) -> torch.Tensor | None:
+        """The device's copy of the layer's keys (`key_layers`), or None."""
+        return self.device_k[layer] if self.device_k else None
 
     def context_loads(self, runs: tuple[Run, ...], layers: list[int], num_keys: int) -> ContextLoads:
         """One step's whole prefixes (host block runs -> packed key rows) for `layers`, in
