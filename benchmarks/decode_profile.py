@@ -5,7 +5,7 @@ Qwen3-4B shape, random weights, bf16, one sequence of `--ctx` tokens, Full atten
 Quest with `--budget`). The same engine and sequence run each `--layer-kernels` set in turn
 (the graphs are captured again for each), so the sets are compared side by side.
 
-    python benchmarks/decode_profile.py --tokenizer DIR [--ctx 32768] [--budget 4096]
+    python benchmarks/decode_profile.py [--ctx 32768] [--budget 4096]
     python benchmarks/decode_profile.py --smoke          # CPU, tiny shape (eager only)
 """
 
@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from common import percentile, save, shaped_model, smollm2  # noqa: I001
+from common import percentile, save, shaped_model, synthetic_tokenizer  # noqa: I001
 from copy_overlap import trace_events, union_intervals
 from quest import FULL, decode_steps, set_budget
 from astream.base.config import EngineConfig
@@ -106,7 +106,7 @@ def profile_kernels(core: EngineCore, kernels: str, budget: int, steps: int,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: common.synthetic_tokenizer())")
     parser.add_argument("--ctx", type=int, default=32768)
     parser.add_argument("--budget", default="full", help="full, or a Quest budget in tokens")
     parser.add_argument("--layer-kernels", default="reference,triton", help="(smoke: reference)")
@@ -119,7 +119,7 @@ def main() -> None:
     shape, ctx = ("tiny", 256) if args.smoke else ("qwen3-4b", args.ctx)
     budget = FULL if args.budget == "full" else int(args.budget)
     config = EngineConfig(model=str(shaped_model(shape, max_positions=ctx + 1024)),
-                          load_format="dummy", tokenizer=args.tokenizer or smollm2(),
+                          load_format="dummy", tokenizer=args.tokenizer or synthetic_tokenizer(),
                           device="cpu" if args.smoke else "cuda",
                           dtype="float32" if args.smoke else "bfloat16", max_num_seqs=1,
                           max_model_len=ctx + 1024, kv_cache_dtype=args.kv_cache_dtype,

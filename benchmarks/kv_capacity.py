@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from common import save, shaped_model, smollm2  # noqa: I001
+from common import save, shaped_model, synthetic_tokenizer  # noqa: I001
 from astream import LLM, SamplingParams
 
 
@@ -53,7 +53,7 @@ def main() -> None:
     rows = []
     for kv in args.kv_dtypes.split(","):
         rows.append(capacity(args.shape, kv, args.budget_gib, args.max_positions,
-                             args.tokenizer or smollm2()))
+                             args.tokenizer or synthetic_tokenizer()))
         print(rows[-1], flush=True)
     save("kv_capacity", {"shape": args.shape, "budget_gib": args.budget_gib, "rows": rows})
 

@@ -25,7 +25,7 @@ import anyio
 import anyio.abc
 import torch
 
-from common import Timer, percentile, save, shaped_model, smollm2  # noqa: I001
+from common import Timer, percentile, save, shaped_model, synthetic_tokenizer  # noqa: I001
 from copy_overlap import trace_overlap
 from astream import Engine, SamplingParams
 
@@ -159,7 +159,7 @@ def section(results: dict, name: str, fn, *args) -> None:
 def configs(args, folder, max_pos: int) -> tuple[dict, dict, list, list]:
     """Engine keywords for both modes, and the (context, batch) cases each runs."""
     smoke = args.smoke
-    base = dict(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
+    base = dict(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or synthetic_tokenizer(),
                 device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16",
                 max_num_seqs=4, max_model_len=max_pos)
     if not smoke:

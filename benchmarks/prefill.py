@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from common import cuda_times_ms, percentile, save, shaped_model, smollm2  # noqa: I001
+from common import cuda_times_ms, percentile, save, shaped_model, synthetic_tokenizer  # noqa: I001
 from astream.base.config import EngineConfig
 from astream.base.sampling import SamplingParams
 from astream.core.engine_core import EngineCore
@@ -211,7 +211,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5, help="timed calls per kernel case")
     parser.add_argument("--small", action="store_true", help="kernels: the small parts (threshold)")
-    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: SmolLM2's)")
+    parser.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: common.synthetic_tokenizer())")
     parser.add_argument("--name", default="prefill")
     args = parser.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -230,7 +230,7 @@ def main() -> None:
         shape, contexts = ("tiny", [512]) if args.smoke else ("qwen3-4b", [int(c) for c in args.contexts.split(",")])
         max_pos = max(contexts) + 1024
         config = EngineConfig(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
-                              tokenizer=args.tokenizer or smollm2(), device=device,
+                              tokenizer=args.tokenizer or synthetic_tokenizer(), device=device,
                               dtype="float32" if args.smoke else "bfloat16", max_num_seqs=1,
                               max_model_len=max_pos, max_num_batched_tokens=256 if args.smoke else args.chunk,
                               offload=args.offload,

@@ -200,7 +200,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cases", default=None,
                         help="speed, filled: CTXxBATCH cases, e.g. 4096x1,131072x1")
     parser.add_argument("--tokenizer", default=None,
-                        help="a tokenizer folder (default: SmolLM2's; agreement: a synthetic one)")
+                        help="a tokenizer folder (default: common.synthetic_tokenizer(); random weights only)")
     parser.add_argument("--budgets", default=None, help="speed: e.g. full,4096; locality: 1024,2048")
     parser.add_argument("--budget", type=int, default=None, help="one budget, tokens")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
@@ -392,7 +392,7 @@ def speed_cases(o):
     buffered = o.reuse_pages or any(prefetches)
     planned = max((b for b in budgets if b != FULL), default=FULL) if buffered else FULL
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
-                tokenizer=o.tokenizer or smollm2(), device=o.device,
+                tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
                 dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
                 max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
@@ -996,7 +996,7 @@ def profile_cases(o):
     ctx = int(o.ctx)
     shape = "tiny" if o.smoke else "qwen3-4b"
     config = EngineConfig(model=str(shaped_model(shape, max_positions=ctx + 1024)),
-                          load_format="dummy", tokenizer=o.tokenizer or smollm2(), device=o.device,
+                          load_format="dummy", tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
                           dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=1,
                           max_model_len=ctx + 1024, offload=o.offload, enforce_eager=o.eager,
                           sparse_policy=QuestPolicy(budget_tokens=o.budget,
@@ -1146,7 +1146,7 @@ def filled_cases(o):
     budgets = [int(b) for b in o.budgets.split(",")]
     for kv in o.kv_dtypes.split(","):
         for ctx, batch in parse_cases(o.cases):
-            config = filled_config(o, kv, ctx, batch, max(budgets), o.tokenizer or smollm2())
+            config = filled_config(o, kv, ctx, batch, max(budgets), o.tokenizer or synthetic_tokenizer())
             start = time.perf_counter()
             with engine_core(config) as core:
                 info = pool_figures(core, time.perf_counter() - start)
@@ -1214,7 +1214,7 @@ def prefetch_cases(o):
             for prefetch in values:
                 config = EngineConfig(
                     model=str(shaped_model(shape, max_positions=ctx + o.steps + 64)),
-                    load_format="dummy", tokenizer=o.tokenizer or smollm2(), device=o.device,
+                    load_format="dummy", tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
                     dtype="float32" if o.device == "cpu" else "bfloat16", offload=True,
                     kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx + o.steps + 64,
                     max_num_batched_tokens=16384, enforce_eager=o.eager,

@@ -8,7 +8,9 @@ Requests arrive all at once (--request-rate inf) or as a seeded Poisson process,
 --clients load processes that share one start time; each process reports its CPU time,
 so a reader can see the client was not the bottleneck. Per run: output tok/s, requests/s,
 TTFT, TPOT ((end - first token) / (tokens - 1) per request) and ITL (every gap between
-token events). --offline adds LLM.generate on the same workload in its own process, and
+token events); over astream-ws/1 also the engine's own TTFT and the part of it a request
+queued before its first step was formed (each done frame's `timing`), which split a slow
+first token into waiting for a step and the steps themselves. --offline adds LLM.generate on the same workload in its own process, and
 the ratio of each run's output tok/s to it.
 
 Rounds: --rounds R measures every (rate, protocol) run R times, interleaved, and the
@@ -130,7 +132,16 @@ def summarize(results: list[RequestResult], start: float) -> dict:
         "itl_ms": _stats_ms([gap for r in ok for gap in itls(r)]),
         "e2e_ms": _stats_ms([r.end - r.sent for r in ok]),
         "send_lag_ms": _stats_ms([r.sent - r.scheduled for r in results if not math.isnan(r.sent)]),
+        # astream-ws/1 only: the engine's own view, from submission (after the frame was read)
+        "server_ttft_ms": _stats_ms(_server_s(ok, "ttft_ms")),
+        "queue_ms": _stats_ms(_server_s(ok, "queue_ms")),
     }
+
+
+def _server_s(results: list[RequestResult], key: str) -> list[float]:
+    """Seconds of one field of the engine's timing, where the protocol reported it."""
+    return [r.server_timing[key] / 1e3 for r in results
+            if r.server_timing and r.server_timing.get(key) is not None]
 
 
 def summarize_run(results: list[RequestResult], start: float) -> dict:
@@ -535,7 +546,8 @@ def print_summary(summary: list[dict]) -> None:
 # ---- the report ------------------------------------------------------------------------------
 
 COLUMNS = ("protocol", "rate", "class", "ok", "dur s", "req/s", "out tok/s", "TTFT mean", "TTFT p50",
-           "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99", "client CPU", "vs offline")
+           "TTFT p99", "engine TTFT p50", "queued p50", "TPOT p50", "TPOT p99", "ITL p50", "ITL p99",
+           "client CPU", "vs offline")
 
 
 def table_rows(runs: list[dict], offline: dict | None) -> list[list[str]]:
@@ -551,7 +563,8 @@ def table_rows(runs: list[dict], offline: dict | None) -> list[list[str]]:
             rows.append([name, run["rate"], cls, f"{m['completed']}/{m['requests']}",
                          f"{m['duration_s']:.2f}", f"{m['request_throughput'] or 0:.2f}",
                          f"{m['output_tok_s'] or 0:.1f}", ms(m["ttft_ms"], "mean"), ms(m["ttft_ms"], "p50"),
-                         ms(m["ttft_ms"], "p99"), ms(m["tpot_ms"], "p50"), ms(m["tpot_ms"], "p99"),
+                         ms(m["ttft_ms"], "p99"), ms(m["server_ttft_ms"], "p50"),
+                         ms(m["queue_ms"], "p50"), ms(m["tpot_ms"], "p50"), ms(m["tpot_ms"], "p99"),
                          ms(m["itl_ms"], "p50"), ms(m["itl_ms"], "p99"),
                          f"{100 * cpu:.1f}%" if cls == "all" else "",
                          "" if ratio is None else f"{ratio:.2f}"])
@@ -559,7 +572,7 @@ def table_rows(runs: list[dict], offline: dict | None) -> list[list[str]]:
         ok = offline["requests"] - offline["failed"]
         rows.append(["offline", "-", "all", f"{ok}/{offline['requests']}",
                      f"{offline['duration_s']:.2f}", f"{offline['request_throughput']:.2f}",
-                     f"{offline['output_tok_s']:.1f}", *["-"] * 7, "", "1.00"])
+                     f"{offline['output_tok_s']:.1f}", *["-"] * 9, "", "1.00"])
     return rows
 
 
@@ -570,8 +583,9 @@ def print_table(runs: list[dict], offline: dict | None) -> None:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
         if n == 0:
             print("  ".join("-" * w for w in widths))
-    print("latencies in ms; client CPU: the busiest load process's CPU time / its wall time; "
-          "vs offline: output tok/s / LLM.generate's")
+    print("latencies in ms; engine TTFT and queued (astream-ws/1 only): the engine's own, from "
+          "submission to the first token and to the first step formed; client CPU: the busiest "
+          "load process's CPU time / its wall time; vs offline: output tok/s / LLM.generate's")
 
 
 # ---- main -------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)   # each token frame / SSE data chunk
     output_tokens: int = 0
     error: str | None = None
+    server_timing: dict | None = None   # astream-ws/1's done frame: the engine's own ttft_ms, queue_ms
 
 
 @dataclass(slots=True)
@@ -147,6 +148,7 @@ class WsConnection:
                     result.token_times.append(now)
                 elif kind == "done":
                     result.end = now
+                    result.server_timing = frame.get("timing")
                     result.output_tokens = frame.get("usage", {}).get("completion_tokens",
                                                                        len(result.token_times))
                     if frame.get("finish_reason") not in ("length", "stop"):

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from common import Timer, save, shaped_model, smollm2  # noqa: I001
+from common import Timer, save, shaped_model, synthetic_tokenizer  # noqa: I001
 from astream.base.config import EngineConfig
 from astream.base.sampling import SamplingParams
 from astream.core.engine_core import EngineCore
@@ -251,7 +251,7 @@ def e2e_rows(contexts: list[int], args, device) -> list[dict]:
     methods += [(f"minference slash={s}", MInferencePolicy(slash_size=s)) for s in args.e2e_minference_slash]
     modes = ["resident", "offload"] if args.e2e_offload else ["resident"]
     for (name, policy), mode in [(m, mode) for m in methods for mode in modes]:
-        config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or smollm2(),
+        config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or synthetic_tokenizer(),
                               device=device.type, dtype="float32" if args.smoke else "bfloat16",
                               max_num_seqs=1, max_model_len=max(contexts) + 64, sparse_policy=policy,
                               max_num_batched_tokens=args.chunk, offload=mode == "offload")

@@ -66,7 +66,7 @@ from typing import Iterator
 import torch
 
 from common import (agreement, engine_core, random_workload, run_requests, shaped_model,  # noqa: I001
-                    smollm2, top2_margins)
+                    synthetic_tokenizer, top2_margins)
 from quest import decode_steps, ms, pipelined_steps
 from throughput import astream_run
 from tp_faults import fault_cases
@@ -145,7 +145,7 @@ def engine_options(o, tp: int, shapes: list[tuple[int, int]], **extra) -> dict:
     also sizes the host pool), random weights."""
     ctx = max(c for c, _ in shapes) + MARGIN
     return dict(model=str(shaped_model(o.shape, max_positions=ctx)), load_format="dummy",
-                tokenizer=o.tokenizer or smollm2(), device=o.device,
+                tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
                 dtype="float32" if o.device == "cpu" else "bfloat16",
                 max_num_seqs=max(b for _, b in shapes), max_model_len=ctx,
                 tensor_parallel_size=tp, enforce_eager=o.eager, **extra)
@@ -284,7 +284,7 @@ def check_config(o, shape: str, mode: str, tp: int) -> EngineConfig:
         extra = {"offload": True, "kv_block_size": 16,
                  "sparse_policy": QuestPolicy(budget_tokens=64, page_size=16, dense_layers=1)}
     return EngineConfig(model=str(shaped_model(shape, max_positions=2048)), load_format="dummy",
-                        tokenizer=o.tokenizer or smollm2(), device=o.device,
+                        tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
                         dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
                         max_model_len=2048, max_num_batched_tokens=4096, tensor_parallel_size=tp,
                         enable_prefix_caching=False, **extra)

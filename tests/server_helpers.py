@@ -132,7 +132,9 @@ def check_against(frames: list[dict], completion) -> None:
     assert done["type"] == "done" and done["finish_reason"] == completion.finish_reason
     assert done["usage"] == {"prompt_tokens": len(completion.prompt_token_ids),
                              "completion_tokens": len(completion.token_ids)}
-    assert done["timing"]["ttft_ms"] > 0
+    timing = done["timing"]
+    assert timing["ttft_ms"] > 0
+    assert 0 <= timing["queue_ms"] <= timing["ttft_ms"]      # the queued part of the first token
 
 
 async def until_refused(port: int) -> None:

@@ -67,6 +67,15 @@ def test_tpot_itl_and_throughput_of_synthetic_requests():
     assert m["itl_ms"]["mean"] == pytest.approx(1e3 * sum(itl) / len(itl), abs=1e-3)
 
 
+def test_the_engines_own_ttft_and_queue_time_come_from_done_frames():
+    a, b = result(0, 0.0, 0.5, [0.1]), result(1, 0.0, 0.3, [0.1])
+    a.server_timing = {"ttft_ms": 400.0, "tpot_ms": 100.0, "queue_ms": 250.0}
+    m = serve.summarize([a, b], 0.0)                  # b came over a protocol without timing
+    assert m["server_ttft_ms"]["p50"] == pytest.approx(400.0)
+    assert m["queue_ms"]["p50"] == pytest.approx(250.0)
+    assert serve.summarize([b], 0.0)["queue_ms"]["p50"] is None
+
+
 def test_long_mix_reports_short_and_long_requests_apart():
     results = [result(0, 0.0, 0.1, [0.1]), result(1, 0.0, 2.0, [0.1], kind="long"),
                result(2, 0.0, 0.3, [0.1])]

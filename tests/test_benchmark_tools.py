@@ -1,7 +1,7 @@
 """Helpers of the benchmarks: the copy/compute overlap figure of benchmarks/offload.py on
 synthetic traces, the quest benchmark's locality count and pipelined steps, and every
 section of the quest benchmark and the GQA recall benchmark run through the harness
-(benchmarks/run.py) with --smoke."""
+(benchmarks/run.py) with --smoke, and the step timing of benchmarks/loop_hold.py."""
 
 from __future__ import annotations
 
@@ -281,3 +281,19 @@ def test_sparse_prefill_estimate_section_times_each_part_of_the_last_chunk():
                        "score_split_32x32"}
     assert all(len(spread) == 3 and spread[0] > 0 for spread in ms.values())
     assert 0 < rows[0]["density"] < 1 and rows[0]["splits_vs_one_err"] == 0.0
+
+
+def test_loop_hold_times_every_chunk_of_a_long_prompt_and_its_token_arrives():
+    from common import engine_core
+    from loop_hold import engine_config, timed_step
+    from astream.base.sampling import SamplingParams
+    with engine_core(engine_config(300, 128, smoke=True)) as core:
+        sink = core.add_request("r", list(range(100, 400)), SamplingParams(max_tokens=1, ignore_eos=True))
+        rows = []
+        while (row := timed_step(core)) is not None:
+            rows.append(row)
+    assert [row["prefill_tokens"] for row in rows] == [128, 128, 44]     # the budget's chunks
+    assert len(sink.tokens) == 1
+    for row in rows:
+        assert 0 < row["layer_ms_max"] <= row["hold_ms"] <= row["launch_ms"] + row["prepare_ms"]
+        assert row["stretches"] >= 2                 # the tiny model's layers, then the sampler

@@ -176,6 +176,8 @@ def test_running_sequences_decode_before_new_prefills():
     sched.add(b)
     batch = sched.schedule()
     assert [(i.seq.request_id, i.num_tokens) for i in batch.items] == [("b", 5), ("a", 1)]
+    assert batch.admitted == (b,)                  # a was running already; b starts here
+    assert sched.schedule().admitted == ()         # b's second chunk: running, not admitted
 
 
 def test_max_num_seqs_bounds_running():

@@ -57,6 +57,10 @@ async def test_counters_move_as_requests_finish(server, idle_free):
     assert prompts >= usage["prompt_tokens"] + 1
     ttft = "astream_time_to_first_token_seconds_count"
     assert value(after, ttft) == value(before, ttft) + 2
+    queued, queued_s = "astream_request_queue_time_seconds_count", "astream_request_queue_time_seconds_sum"
+    assert value(after, queued) == value(before, queued) + 2
+    ttft_s = "astream_time_to_first_token_seconds_sum"
+    assert 0 <= value(after, queued_s) - value(before, queued_s) <= value(after, ttft_s) - value(before, ttft_s)
     itl = "astream_inter_token_latency_seconds_count"
     assert value(after, itl) - value(before, itl) >= usage["completion_tokens"] - 1
     assert value(after, "astream_kv_blocks", location="device", state="free") == idle_free

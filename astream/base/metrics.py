@@ -48,6 +48,7 @@ class EngineMetrics:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    queue: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))  # to first step
     inter_token: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
     # From a batch's scheduling to its tokens' delivery: the wait behind the steps in flight
     # and the step's own time, which a request admitted into it waits for its first token.
@@ -55,9 +56,12 @@ class EngineMetrics:
         default_factory=lambda: {kind: Histogram(STEP_BUCKETS_S) for kind in STEP_KINDS})
     prefill_step_tokens: int = 0        # prompt tokens computed by steps, chunk by chunk
 
-    def token(self, seconds_since: float, first: bool) -> None:
-        """A request's token: `seconds_since` its submission (first) or its previous token."""
+    def token(self, seconds_since: float, first: bool, queued: float | None = None) -> None:
+        """A request's token: `seconds_since` its submission (first) or its previous token;
+        with the first, the seconds it `queued` before its first step was formed."""
         (self.ttft if first else self.inter_token).observe(seconds_since)
+        if queued is not None:
+            self.queue.observe(queued)
         self.generated_tokens += 1
 
     def step(self, seconds: float, prefill_tokens: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 from astream.base.config import EngineConfig
@@ -249,7 +250,14 @@ class EngineCore:
     # ---- steps ----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch | None:
-        return self.scheduler.schedule()
+        batch = self.scheduler.schedule()
+        if batch is not None and batch.admitted:
+            now = time.perf_counter()
+            for seq in batch.admitted:
+                request = self.requests.get(seq.request_id)
+                if request is not None and request.started_at is None:
+                    request.started_at = now
+        return batch
 
     def prepare(self, batch: ScheduledBatch) -> PreparedStep | None:
         """Build the step's inputs; from here its sampled tokens count as pending."""

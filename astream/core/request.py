@@ -84,6 +84,7 @@ class Request:
     forks: list[Sequence] = field(default_factory=list)     # choices waiting for the prompt's KV
     last_ended: int = -1                                    # the choice that ended last
     submitted_at: float = field(default_factory=time.perf_counter)
+    started_at: float | None = None                         # its first step was formed (the core)
     first_token_at: float | None = None                     # delivery times, stamped by the
     last_token_at: float | None = None                      # engine's channel (stages.channel)
 
@@ -117,12 +118,16 @@ class Request:
         return any(choice.seq is not None and choice.seq.paused for choice in self.choices)
 
     def timing(self) -> dict:
-        """Time to first token and mean time per later token, in milliseconds."""
+        """Time to first token, mean time per later token, and the time queued (from
+        submission to the first step that computed the prompt; the rest of the time to
+        first token is that step and the ones before it in flight), in milliseconds."""
+        queue = None if self.started_at is None else (self.started_at - self.submitted_at) * 1e3
         if self.first_token_at is None:
-            return {"ttft_ms": None, "tpot_ms": None}
+            return {"ttft_ms": None, "tpot_ms": None, "queue_ms": queue}
         later = self.completion_tokens - 1
         tpot = (self.last_token_at - self.first_token_at) / later * 1e3 if later > 0 else None
-        return {"ttft_ms": (self.first_token_at - self.submitted_at) * 1e3, "tpot_ms": tpot}
+        return {"ttft_ms": (self.first_token_at - self.submitted_at) * 1e3, "tpot_ms": tpot,
+                "queue_ms": queue}
 
 
 @dataclass(slots=True)

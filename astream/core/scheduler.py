@@ -72,6 +72,7 @@ class ScheduledSeq:
 class ScheduledBatch:
     step: int
     items: tuple[ScheduledSeq, ...]      # chunks of more than one token first, then single tokens
+    admitted: tuple[Sequence, ...] = ()  # sequences this step starts running (or runs again)
 
     @property
     def num_tokens(self) -> int:
@@ -211,13 +212,15 @@ class Scheduler:
                 break                      # seq itself was preempted; it was the last one
             items.append(self._take(seq, n))
             budget -= n
+        running_items = len(items)
         if not preempted and self.waiting:
             self._admit(budget, items, long_budget)
         if not items:
             return None
         self.steps += 1
+        admitted = tuple(item.seq for item in items[running_items:])
         items = [i for i in items if i.num_tokens != 1] + [i for i in items if i.num_tokens == 1]
-        return ScheduledBatch(self.steps, tuple(items))
+        return ScheduledBatch(self.steps, tuple(items), admitted)
 
     def _short_reserve(self, budget: int) -> int:
         """Tokens this step keeps from long prefill chunks for short prompts that wait."""
@@ -236,7 +239,7 @@ class Scheduler:
             return None
         self.isolated.popleft()
         self.steps += 1
-        return ScheduledBatch(self.steps, (item,))
+        return ScheduledBatch(self.steps, (item,), (seq,))
 
     def _rebalance(self) -> None:
         """Free running slots for waiting clients: paused sequences first, then the newest

@@ -19,9 +19,13 @@ import anyio.to_thread
 
 T = TypeVar("T")
 
-# A step program that yields many events already complete (the resident path, or the
-# CPU) still gives the loop a turn this often, so a long eager step never starves it.
-CHECKPOINT_EVERY = 4
+# A step program gives the loop a turn after this many of its yields (layers), even where
+# their events are already complete. Enqueueing a long prefill layer costs the host about
+# 0.7 ms, and every hop of a request on its way in and of its tokens on the way out waits
+# for the stretch running: a turn every layer keeps that wait near a millisecond (every
+# fourth added 20-50 ms to the first token of short requests during long prefills,
+# docs/BENCHMARKS.md, "Serving"). Graph-replayed decode steps yield nothing and pay nothing.
+CHECKPOINT_EVERY = 1
 
 
 class Event(Protocol):

@@ -126,7 +126,7 @@ class RemoteStream:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
-    _timing: dict = field(default_factory=lambda: {"ttft_ms": None, "tpot_ms": None})
+    _timing: dict = field(default_factory=lambda: {"ttft_ms": None, "tpot_ms": None, "queue_ms": None})
     _taken: int = 0                 # tokens the consumer took
     _granted: int = 0               # credit last sent to the child
     _ended: int = 0                 # choices whose final token the consumer took

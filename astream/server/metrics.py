@@ -1,7 +1,7 @@
 """GET /metrics: the engine's counters and the server's gauges in Prometheus text format.
 
 Rendered at scrape time from `Engine.metrics` (requests by outcome, prompt and generated
-tokens, time to first token, inter-token latency, and steps: their time from scheduling to
+tokens, time to first token and the part of it queued, inter-token latency, and steps: their time from scheduling to
 delivery by kind, and the prompt tokens they computed) and `Engine.stats()` (running and
 waiting requests, KV blocks used and free, bytes offloading moved). Each server has a
 registry of its own, so several servers in one process never share series.
@@ -40,6 +40,8 @@ class EngineCollector(Collector):
                                   value=metrics.generated_tokens)
         yield _histogram("astream_time_to_first_token_seconds",
                          "From submission to the first token", metrics.ttft)
+        yield _histogram("astream_request_queue_time_seconds", "From submission to the first "
+                         "step that computed the request's prompt", metrics.queue)
         yield _histogram("astream_inter_token_latency_seconds",
                          "Between consecutive tokens of a request", metrics.inter_token)
         steps = HistogramMetricFamily("astream_step_seconds", "Engine steps, from forming the "
