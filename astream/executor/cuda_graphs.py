@@ -34,9 +34,10 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
-def padded_size(sizes, n: int) -> int:
-    """The smallest captured size that holds n rows."""
-    return min(s for s in sizes if s >= n)
+def replay_size(max_batch: int, n: int) -> int:
+    """The batch size a decode step of n rows replays at: the smallest captured size that
+    holds them (the rows past n are padding)."""
+    return min(s for s in capture_sizes(max_batch) if s >= n)
 
 
 @dataclass(slots=True)
@@ -85,7 +86,7 @@ class DecodeGraphs:
         """(hidden states [n, H], the sampled ids [n], or None where the host samples), sampled
         in `mode` (graph_sampling.replay)."""
         n = inputs.num_tokens
-        size = padded_size(capture_sizes(self.max_batch), n)
+        size = replay_size(self.max_batch, n)
         buf, attn = self.buffers, inputs.attn
         buf["input_ids"][:n].copy_(inputs.input_ids)
         buf["positions"][:n].copy_(inputs.positions)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from astream.executor.cuda_graphs import capture_sizes, padded_size
+from astream.executor.cuda_graphs import capture_sizes, replay_size
 from astream.executor.graph_chain import ChainCapture, capture_chained_steps
 from astream.executor.graph_sampling import GraphSampler, Mode, capture_sampling_graphs, replay
 from astream.executor.inputs import AttentionMetadata, StepInputs
@@ -143,7 +143,7 @@ class OffloadDecodeGraphs:
         """(hidden states [n, H], the sampled ids [n], or None where the host samples), sampled
         in `mode` (graph_sampling.replay)."""
         n = inputs.num_tokens
-        size = padded_size(capture_sizes(self.max_batch), n)
+        size = replay_size(self.max_batch, n)
         self._fill(inputs, plan)
         self._pad(n, size)
         self.engine.wait_offloads()

@@ -17,7 +17,7 @@ import torch
 
 from astream.core.scheduler import ScheduledBatch
 from astream.core.sequence import Sequence
-from astream.executor.cuda_graphs import DecodeGraphs, capture_sizes, padded_size
+from astream.executor.cuda_graphs import DecodeGraphs, replay_size
 from astream.executor.decode_tables import DecodeTables
 from astream.executor.graph_sampling import Mode, captured_mode, graph_mode
 from astream.executor.inputs import HostInputs, StepInputs, pack_inputs
@@ -145,7 +145,7 @@ class ModelRunner:
             # Resolved against rank 0's graphs: only they have the sampling tails.
             mode = None
             if graphed:
-                size = padded_size(capture_sizes(self.graphs.max_batch), inputs.num_tokens)
+                size = replay_size(self.graphs.max_batch, inputs.num_tokens)
                 mode = captured_mode(self.graphs.graphs, size, graph_mode(sampling))
             follow = HostStep(host, host_plan, graphed, mode)
         return PreparedStep(batch, inputs, sampling, [item.seq for item in batch.items if item.sample],

@@ -157,9 +157,7 @@ def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: t
     metadata = int(blocks * block_bytes * cfg.kv_overhead)
     offload = None
     if cfg.offload:     # the policy's metadata of the host pool's blocks lives on the device
-        layer_block_bytes = block_bytes // model.num_layers
-        mirrored = (cfg.device_layers * layer_block_bytes
-                    + cfg.device_key_layers * (layer_block_bytes // 2)) * blocks
+        mirrored = sum(_device_copies(cfg, block_bytes // model.num_layers, blocks))
         offload = _plan_offload(cfg, model, dtype, device, budget, max_len, metadata + mirrored,
                                 kv_dtype, available)
     memory = memory_plan(cfg, model, dtype, kv_dtype, blocks, budget, max_len, offload)
@@ -183,14 +181,21 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
         prefix = 2 * -(-max_len // cfg.block_size) * packed + CONTEXT_STAGE_BLOCKS * layer_block_bytes
     context = max(offload.slot_blocks * packed,
                   _device_layer_context(cfg, max_len, layer_block_bytes, packed))
+    device_kv, device_keys = _device_copies(cfg, layer_block_bytes, blocks)
     return MemoryPlan(
-        host_pool=blocks * block_bytes, device_kv=cfg.device_layers * blocks * layer_block_bytes,
-        device_keys=cfg.device_key_layers * blocks * (layer_block_bytes // 2),
+        host_pool=blocks * block_bytes, device_kv=device_kv, device_keys=device_keys,
         ring=offload.num_slots * offload.slot_blocks * layer_block_bytes,
         staging=2 * offload.staging_blocks * layer_block_bytes,
         tails=model.num_layers * (cfg.max_num_seqs + 1) * layer_block_bytes,
         decode_buffers=cfg.device_reserve_bytes, prefix_buffers=prefix, prefill_context=context,
         **common)
+
+
+def _device_copies(cfg: CacheSpec, layer_block_bytes: int, blocks: int) -> tuple[int, int]:
+    """With offload, the device's copies of the host pool's `blocks`: the whole KV of the
+    layers it keeps (`device_layers`), and the keys of the layers it keeps keys of."""
+    return (cfg.device_layers * blocks * layer_block_bytes,
+            cfg.device_key_layers * blocks * (layer_block_bytes // 2))
 
 
 def graph_sampling_bytes(rows: int, vocab_size: int) -> int:
