@@ -3,6 +3,7 @@ requests finish (a disconnected client's abort included), and the API key when o
 
 from __future__ import annotations
 
+import re
 from contextlib import aclosing
 
 import anyio
@@ -108,6 +109,9 @@ async def test_one_log_line_per_finished_request_without_the_prompt(server, capl
     usage = done["usage"]
     assert f"{done['finish_reason']}: prompt {usage['prompt_tokens']} tokens, generated " \
            f"{usage['completion_tokens']}, ttft " in lines[0]
+    logged = re.search(r"ttft (\d+) ms \(queued (\d+) ms\)", lines[0])
+    assert logged and int(logged[2]) <= int(logged[1])           # the queued part of the first token
+    assert abs(int(logged[1]) - done["timing"]["ttft_ms"]) <= 1
     assert "tok/s" in lines[0] and secret not in lines[0] and "quick" not in lines[0]
 
 

@@ -87,6 +87,7 @@ class RequestChannel:
             return
         timing = request.timing()
         ttft = "-" if timing["ttft_ms"] is None else f"{timing['ttft_ms']:.0f} ms"
+        queued = "-" if timing["queue_ms"] is None else f"{timing['queue_ms']:.0f} ms"
         rate = "-" if not timing["tpot_ms"] else f"{1e3 / timing['tpot_ms']:.1f} tok/s"
-        log.info("request %s %s: prompt %d tokens, generated %d, ttft %s, decode %s",
-                 request.request_id, reason, prompt, request.completion_tokens, ttft, rate)
+        log.info("request %s %s: prompt %d tokens, generated %d, ttft %s (queued %s), decode %s",
+                 request.request_id, reason, prompt, request.completion_tokens, ttft, queued, rate)
