@@ -47,15 +47,14 @@ def timed_step(core) -> dict | None:
         return None
     program = core.program(step, None)
     stretches, output = [], None
-    while True:
+    while output is None:
         start = time.perf_counter()
         try:
             next(program)
         except StopIteration as stop:
             output = stop.value
+        finally:
             stretches.append(time.perf_counter() - start)
-            break
-        stretches.append(time.perf_counter() - start)
     launched = time.perf_counter()
     output.ready.synchronize()
     done = time.perf_counter()

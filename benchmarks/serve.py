@@ -10,8 +10,9 @@ so a reader can see the client was not the bottleneck. Per run: output tok/s, re
 TTFT, TPOT ((end - first token) / (tokens - 1) per request) and ITL (every gap between
 token events); over astream-ws/1 also the engine's own TTFT and the part of it a request
 queued before its first step was formed (each done frame's `timing`), which split a slow
-first token into waiting for a step and the steps themselves. --offline adds LLM.generate on the same workload in its own process, and
-the ratio of each run's output tok/s to it.
+first token into waiting for a step and the steps themselves. --offline adds
+LLM.generate on the same workload in its own process, and the ratio of each run's output
+tok/s to it.
 
 Rounds: --rounds R measures every (rate, protocol) run R times, interleaved, and the
 offline process generates the workload R times too; --warmup-rounds W runs W more rounds

@@ -117,11 +117,16 @@ class Request:
         """A consumer that fell behind made the scheduler hold back some choice (read-only here)."""
         return any(choice.seq is not None and choice.seq.paused for choice in self.choices)
 
+    @property
+    def queued(self) -> float | None:
+        """Seconds from submission to the first step that computed the prompt; None before."""
+        return None if self.started_at is None else self.started_at - self.submitted_at
+
     def timing(self) -> dict:
         """Time to first token, mean time per later token, and the time queued (from
         submission to the first step that computed the prompt; the rest of the time to
         first token is that step and the ones before it in flight), in milliseconds."""
-        queue = None if self.started_at is None else (self.started_at - self.submitted_at) * 1e3
+        queue = None if self.queued is None else self.queued * 1e3
         if self.first_token_at is None:
             return {"ttft_ms": None, "tpot_ms": None, "queue_ms": queue}
         later = self.completion_tokens - 1

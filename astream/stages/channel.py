@@ -44,14 +44,11 @@ class RequestChannel:
         if token_id >= 0:                    # a real token: stamp its delivery in the record
             now, last = time.perf_counter(), request.last_token_at
             first = last is None
-            queued = None
             if first:
                 request.first_token_at, last = now, request.submitted_at
-                if request.started_at is not None:
-                    queued = request.started_at - request.submitted_at
             request.last_token_at = now
             if self.metrics is not None:
-                self.metrics.token(now - last, first, queued)
+                self.metrics.token(now - last, first, request.queued if first else None)
         item = stream_token(request.request_id, self.next_index, token_id, text, finish_reason,
                             error, choice, logprob)
         self.next_index += 1
