@@ -1,5 +1,5 @@
-"""XAttention sparse prefill on the GPU: its kernels against their references, attention time
-per layer against dense, and end-to-end prefill against Full.
+"""Sparse prefill on the GPU (XAttention, MInference, FlexPrefill): the kernels against their
+references, attention time per layer against dense, and end-to-end prefill against Full.
 
 - kernels: the antidiagonal scoring, the block-sparse attention and the vertical-slash
   attention (MInference's default sizes) against the torch references on fresh random bf16 inputs, a whole 8K square and 1K-query chunks after a
@@ -8,7 +8,9 @@ per layer against dense, and end-to-end prefill against Full.
   attended chunk by chunk as the engine does (16K-token chunks, each over its prefix and
   itself): dense (the engine's varlen kernel) against XAttention's scoring, selection and
   sparse attention. Random inputs have no structure, so the cumulative threshold keeps
-  about that share of blocks: the thresholds sweep the density.
+  about that share of blocks: the thresholds sweep the density. --attention-policies adds
+  any prefill policy by its spec (e.g. "flexprefill(gamma=0.9,min_budget=4096)"); a
+  FlexPrefill row also times its last chunk's estimate, selection and attention alone.
 - estimate: the last chunk of a long prompt (--estimate-prefixes, --estimate-chunk queries
   after them), one layer: XAttention's scoring with its key tiles in one walk per program
   (key_splits=1) and split to fill the GPU, the block selection, the kept-block lists and the
@@ -18,7 +20,8 @@ per layer against dense, and end-to-end prefill against Full.
 - e2e: prefill of one prompt on a Qwen3-4B-shaped engine (random weights), Full and
   XAttention (default threshold 0.9; --e2e-thresholds adds lower ones, which on random
   weights keep about a real model's share of blocks), with the density it kept;
-  --e2e-offload runs each method with the KV cache offloaded too (bytes loaded per prefill).
+  --e2e-policies adds any prefill policy by its spec; --e2e-offload runs each method with
+  the KV cache offloaded too (bytes loaded per prefill).
 
     python benchmarks/sparse_prefill.py                  # GPU -> sparse_prefill.json
     python benchmarks/sparse_prefill.py --smoke          # CPU, tiny sizes: checks the script
@@ -37,11 +40,13 @@ from astream.base.config import EngineConfig
 from astream.base.sampling import SamplingParams
 from astream.core.engine_core import EngineCore
 from astream.executor.inputs import varlen_meta
+from astream.ops import flexprefill as fp
 from astream.ops import minference as mi
 from astream.ops import xattention as xa
 from astream.ops.backends import AttentionBackends
 from astream.ops.triton_xattention import kept_block_lists
-from astream.policies import MInferencePolicy, XAttentionPolicy
+from astream.policies import FlexPrefillPolicy, MInferencePolicy, XAttentionPolicy, make_policy
+from astream.policies.spec import split_top_level
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
 
@@ -91,7 +96,7 @@ def chunked_layer(ctx: int, chunk: int, device, dtype, attend) -> float:
 
 
 def attention_rows(contexts: list[int], chunk: int, thresholds: list[float], device, dtype,
-                   repeat: int, slash_sizes: list[int]) -> list[dict]:
+                   repeat: int, slash_sizes: list[int], specs: list[str] = ()) -> list[dict]:
     backends = AttentionBackends.select(device, dtype, DIM)
     dense = lambda q, k, v, m: backends.varlen(q, k, v, m, causal=True, scale=DIM ** -0.5)  # noqa: E731
     rows = []
@@ -108,6 +113,12 @@ def attention_rows(contexts: list[int], chunk: int, thresholds: list[float], dev
         for slash in slash_sizes:
             runtime = MInferencePolicy(slash_size=slash).bind(_layout(device, dtype))
             rows.append(sparse_row(ctx, chunk, device, dtype, repeat, runtime, f"minference slash={slash}"))
+            print(rows[-1], flush=True)
+        for spec in specs:
+            policy = make_policy(spec)
+            rows.append(sparse_row(ctx, chunk, device, dtype, repeat, policy.bind(_layout(device, dtype)), spec))
+            if isinstance(policy, FlexPrefillPolicy):
+                rows[-1].update(flexprefill_parts_ms(ctx, chunk, policy, device, dtype))
             print(rows[-1], flush=True)
     return rows
 
@@ -180,6 +191,31 @@ def parts_ms(ctx: int, chunk: int, threshold: float, device, dtype) -> dict:
                               "attend": round(attend_t.seconds * 1e3, 2)}}
 
 
+def flexprefill_parts_ms(ctx: int, chunk: int, policy: FlexPrefillPolicy, device, dtype) -> dict:
+    """The last chunk's estimate (last block and query-aware scores), selection and sparse
+    attention, each timed alone (median of 5)."""
+    start, scale, block = max(0, ctx - chunk), DIM ** -0.5, policy.block_size
+    q, k, v = random_qkv(ctx, ctx, device, dtype, seed=ctx)
+    q, n_q = q[start:], ctx - start
+
+    def estimate():
+        return (fp.last_block_estimate(q, k, block=block, scale=scale),
+                fp.query_aware_scores(q, k, block=block, scale=scale))
+    est, qa_scores = estimate()
+
+    def select():
+        return fp.select_blocks(est, qa_scores, gamma=policy.gamma, tau=policy.tau,
+                                min_blocks=fp.block_budget(policy.min_budget, block),
+                                max_blocks=None if policy.max_budget is None
+                                else fp.block_budget(policy.max_budget, block),
+                                n_q=n_q, n_k=ctx, block=block)[0]
+    mask = select()
+    return {"last_chunk_ms": {
+        "estimate": _timed(estimate)[1], "select": _timed(select)[1],
+        "attend": _timed(lambda: xa.block_sparse_attention(q, k, v, mask, block=block, scale=scale))[1]},
+        "last_chunk_density": round(xa.density(mask, n_q, ctx, block), 4)}
+
+
 def estimate_rows(prefixes: list[int], chunk: int, threshold: float, device, dtype,
                   repeat: int, tile_shapes: list[str]) -> list[dict]:
     rows = []
@@ -249,6 +285,7 @@ def e2e_rows(contexts: list[int], args, device) -> list[dict]:
     methods += [(f"xattention tau={t}", XAttentionPolicy(threshold=t))
                                     for t in args.e2e_thresholds]
     methods += [(f"minference slash={s}", MInferencePolicy(slash_size=s)) for s in args.e2e_minference_slash]
+    methods += [(spec, make_policy(spec)) for spec in args.e2e_policies]
     modes = ["resident", "offload"] if args.e2e_offload else ["resident"]
     for (name, policy), mode in [(m, mode) for m in methods for mode in modes]:
         config = EngineConfig(model=str(folder), load_format="dummy", tokenizer=args.tokenizer or synthetic_tokenizer(),
@@ -315,6 +352,11 @@ def main() -> None:
                         help="MInference diagonal counts of the attention section (at 128K; scaled "
                              "with length): fewer stand for a real model's clustered diagonals")
     parser.add_argument("--tune-slash", type=int, default=500)
+    parser.add_argument("--attention-policies", default="",
+                        help="attention: more prefill policies by spec, comma-separated, e.g. "
+                             "'flexprefill,flexprefill(gamma=0.9,min_budget=4096)'")
+    parser.add_argument("--e2e-policies", default="",
+                        help="e2e: more prefill policies by spec, comma-separated")
     parser.add_argument("--e2e-minference-slash", default="",
                         help="MInference diagonal counts of the e2e section (none by default)")
     parser.add_argument("--estimate-prefixes", default="131072,262144,524288,1015808",
@@ -331,6 +373,9 @@ def main() -> None:
     args = parser.parse_args()
     args.e2e_thresholds = [float(t) for t in args.e2e_thresholds.split(",") if t]
     args.e2e_minference_slash = [int(s) for s in args.e2e_minference_slash.split(",") if s]
+    args.attention_policies, args.e2e_policies = (
+        [spec.strip() for spec in split_top_level(text, ",") if spec.strip()]
+        for text in (args.attention_policies, args.e2e_policies))
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else torch.bfloat16
     contexts = [512, 1024] if args.smoke else [int(c) for c in args.contexts.split(",")]
@@ -345,9 +390,10 @@ def main() -> None:
             print(row, flush=True)
     if "attention" in sections:
         result["attention"] = attention_rows(contexts, args.chunk,
-                                             [float(t) for t in args.thresholds.split(",")],
+                                             [float(t) for t in args.thresholds.split(",") if t],
                                              device, dtype, args.repeat,
-                                             [int(s) for s in args.minference_slash.split(",")])
+                                             [int(s) for s in args.minference_slash.split(",") if s],
+                                             args.attention_policies)
     if "tune" in sections:
         n_q, n_k = (256, 1024) if args.smoke else (16384, 32768)
         result["tune"] = tune_rows(device, dtype, n_q, n_k, 100 if args.smoke else args.tune_slash)

@@ -283,6 +283,20 @@ def test_sparse_prefill_estimate_section_times_each_part_of_the_last_chunk():
     assert 0 < rows[0]["density"] < 1 and rows[0]["splits_vs_one_err"] == 0.0
 
 
+def test_sparse_prefill_attention_section_takes_any_policy_by_its_spec():
+    import torch
+    from sparse_prefill import attention_rows
+    rows = attention_rows([512], 256, [], torch.device("cpu"), torch.float32, 1, [],
+                          ["flexprefill(gamma=0.3,min_budget=128)", "flexprefill(gamma=1.0)"])
+    by_method = {row["method"]: row for row in rows}
+    assert list(by_method) == ["dense", "flexprefill(gamma=0.3,min_budget=128)", "flexprefill(gamma=1.0)"]
+    sparse, exact = by_method["flexprefill(gamma=0.3,min_budget=128)"], by_method["flexprefill(gamma=1.0)"]
+    assert 0 < sparse["density"] < 1 and exact["density"] == 1.0
+    assert set(sparse["last_chunk_ms"]) == {"estimate", "select", "attend"}
+    assert all(ms > 0 for ms in sparse["last_chunk_ms"].values())
+    assert 0 < sparse["last_chunk_density"] < exact["last_chunk_density"] == 1.0
+
+
 def test_loop_hold_times_every_chunk_of_a_long_prompt_and_its_token_arrives():
     from common import engine_core
     from loop_hold import engine_config, timed_step

@@ -1,6 +1,7 @@
 """FlexPrefill (sparse prefill): the last-block estimate and the per-head selection against a
-brute-force statement of the rule on fresh random inputs; its masks through the shared
-block-sparse Triton kernel (interpreter on the CPU); the policy's parameters, name and
+brute-force statement of the rule on fresh random inputs; the estimate's Triton kernels against
+its torch reference and its masks through the shared block-sparse Triton kernel (interpreter
+on the CPU); the policy's parameters, name and
 command-line flag; and through the engine: a covering gamma or budget gives Full's tokens,
 resident and offloaded, chunked prefill included, a lower gamma reads fewer blocks."""
 
@@ -233,6 +234,50 @@ def test_covering_settings_are_full_attention():
     ref_out, ref_lse = varlen_attention_ref(q, k, v, meta, causal=True, scale=0.25)
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+# ---- the estimate's Triton kernels -------------------------------------------------------
+
+# (n_q, n_k, heads, kv heads, dim, block): more rows than a block, fewer rows than a block
+# and keys not a multiple of it, a head dim that is not a power of two, one KV head, and
+# more key blocks than a stats program walks.
+ESTIMATE_CASES = [(40, 40, 4, 2, 16, 16), (10, 75, 4, 2, 32, 16), (100, 300, 4, 1, 24, 32),
+                  (64, 700, 2, 2, 32, 64), (16, 2100, 2, 1, 16, 16)]
+GPU_ESTIMATE_CASES = [(8192, 40000, 32, 8, 128, 128), (3000, 3000, 14, 2, 64, 128)]
+
+
+def check_triton_flexprefill_estimate(device: str, tol: float = 1e-5) -> int:
+    """The kernels' vertical and slash sums against last_block_sums_ref on fresh random inputs
+    (float32; bf16 too on the GPU, against the reference on the same bf16 inputs)."""
+    from astream.ops.triton_flexprefill import last_block_sums_triton
+    cases = ESTIMATE_CASES + (GPU_ESTIMATE_CASES if device == "cuda" else [])
+    dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
+    checked = 0
+    for i, (n_q, n_k, heads, kvh, dim, block) in enumerate(cases):
+        for dtype in dtypes:
+            q, k, _ = (x.to(device) for x in random_qkv(n_q, n_k, heads, kvh, dim, seed=300 + i,
+                                                        dtype=dtype))
+            rows = q[n_q - min(block, n_q):]
+            got = last_block_sums_triton(rows, k, block=block, scale=dim ** -0.5)
+            want = fp.last_block_sums_ref(rows, k, block=block, scale=dim ** -0.5)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, atol=tol, rtol=1e-3)
+            # Each row's weights sum to 1 whichever way they are grouped.
+            torch.testing.assert_close(got[0].sum(-1), torch.ones(heads, device=device), atol=1e-4, rtol=0)
+            torch.testing.assert_close(got[1].sum(-1), torch.ones(heads, device=device), atol=1e-4, rtol=0)
+            checked += 1
+    return checked
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
+def test_triton_estimate_interpreter_matches_reference():
+    assert run_interpreted_check("test_flexprefill", "check_triton_flexprefill_estimate") == len(ESTIMATE_CASES)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_estimate_on_gpu_matches_reference():
+    cases = len(ESTIMATE_CASES) + len(GPU_ESTIMATE_CASES)
+    assert check_triton_flexprefill_estimate("cuda", tol=1e-5) == 2 * cases
 
 
 # ---- its masks through the block-sparse Triton kernel ------------------------------------

@@ -34,10 +34,11 @@ Every query block also reads key block 0 and its causal diagonal blocks; what is
 causally visible is never read. gamma >= 1 is exactly full attention, and so is a
 min_blocks that covers every key block.
 
-Everything is batched torch on the device, with no host read of a device value. The last
-block's weights are formed a few query heads at a time (ESTIMATE_BYTES), and block means
-read their rows in slices, so their memory stays bounded at long contexts (at a million keys
-one head's weights are 512 MiB).
+Everything runs on the device, with no host read of a device value. On CUDA the last block's
+vertical and slash sums are Triton kernels that never form its weights
+(astream.ops.triton_flexprefill); their torch reference, the CPU path, forms the weights a
+few query heads at a time (ESTIMATE_BYTES). Block means read their rows in slices, so memory
+stays bounded at long contexts (at a million keys one head's weights are 512 MiB).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from astream.ops.attention import select_decode_backend
 from astream.ops.attention_ref import ESTIMATE_BYTES, grouped_scores, head_slices
 from astream.ops.xattention import visible_blocks, visible_mask
 
@@ -78,20 +80,38 @@ def block_means(x: Tensor, block: int) -> Tensor:
 
 
 def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float) -> Estimate:
-    """The estimate of each query head (see the module docstring)."""
-    n_q, n_heads, dim = q.shape
+    """The estimate of each query head (see the module docstring); its vertical and slash
+    sums are the Triton kernels of astream.ops.triton_flexprefill on CUDA, and
+    `last_block_sums_ref` (their reference) elsewhere."""
+    n_q, n_heads, _ = q.shape
+    group = n_heads // k.shape[1]
+    rows = q[n_q - min(block, n_q):]
+    if select_decode_backend(q.device) == "triton" and block >= 16 and not block & (block - 1):
+        from astream.ops.triton_flexprefill import last_block_sums_triton
+        vertical, slash = last_block_sums_triton(rows, k, block=block, scale=scale)
+    else:
+        vertical, slash = last_block_sums_ref(rows, k, block=block, scale=scale)
+    mean_query = rows.float().mean(0)                                       # [H, D]
+    keys = block_means(k, block).repeat_interleave(group, dim=0)            # [H, n_kb, D]
+    pooled = torch.softmax(torch.einsum("hd,hbd->hb", mean_query, keys) * scale, dim=-1)
+    return Estimate(vertical, slash, pooled)
+
+
+def last_block_sums_ref(rows: Tensor, k: Tensor, *, block: int, scale: float) -> tuple[Tensor, Tensor]:
+    """(vertical, slash) [H, n_kb] float32 of the chunk's last rows [R, H, D] (the last at
+    position len(k) - 1), attending causally to every key k [Tk, KVH, D]."""
+    last, n_heads, _ = rows.shape
     n_k, kv_heads, _ = k.shape
     group = n_heads // kv_heads
-    last = min(block, n_q)
     n_kb = -(-n_k // block)
-    positions = torch.arange(n_q - last, n_q, device=q.device) + (n_k - n_q)
-    hidden = torch.arange(n_k, device=q.device).view(1, -1) > positions.view(-1, 1)
+    positions = torch.arange(n_k - last, n_k, device=k.device)
+    hidden = torch.arange(n_k, device=k.device).view(1, -1) > positions.view(-1, 1)
     # Row at position p puts diagonal block d on keys (p - (d+1) * block, p - d * block]: a
     # difference of its cumulative weights, read at two columns per block.
-    top = positions.view(-1, 1) - torch.arange(n_kb, device=q.device).view(1, -1) * block
+    top = positions.view(-1, 1) - torch.arange(n_kb, device=k.device).view(1, -1) * block
     upper, lower = (top + 1).clamp(0, n_k), (top + 1 - block).clamp(0, n_k)
-    rows = q[n_q - last:].float()
-    vertical = torch.empty(n_heads, n_kb, dtype=torch.float32, device=q.device)
+    rows = rows.float()
+    vertical = torch.empty(n_heads, n_kb, dtype=torch.float32, device=k.device)
     slash = torch.empty_like(vertical)
     # A head's scores, then its weights and their cumulative sums, are alive at once.
     for h0, h1 in head_slices(n_heads, group, last * (n_k + 1) * 4 * 3, ESTIMATE_BYTES):
@@ -105,10 +125,7 @@ def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float) -> Es
         per_row = cum.gather(-1, upper.expand(h1 - h0, -1, -1)) \
             - cum.gather(-1, lower.expand(h1 - h0, -1, -1))
         slash[h0:h1] = per_row.mean(1)
-    mean_query = rows.mean(0)                                               # [H, D]
-    keys = block_means(k, block).repeat_interleave(group, dim=0)            # [H, n_kb, D]
-    pooled = torch.softmax(torch.einsum("hd,hbd->hb", mean_query, keys) * scale, dim=-1)
-    return Estimate(vertical, slash, pooled)
+    return vertical, slash
 
 
 def js_distance(p: Tensor, q: Tensor) -> Tensor:
