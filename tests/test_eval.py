@@ -255,6 +255,54 @@ def test_the_difference_from_the_first_configuration_is_paired_by_prompt(tok, tm
     assert re.search(r"vs full\s+points\s+\+0\.0 ± 57\.7", format_summary(cells(half, other)))
 
 
+def test_report_reads_stopped_and_separate_runs_back_into_the_same_tables(tok, tmp_path, capsys):
+    """Two runs' results.jsonl give the tables and paired differences of their cells taken
+    together; a trial the second run repeats takes its row; the files hold no timing."""
+    from astream.eval.report import ResultsFile, load_results
+    trials = build_trials(tok, [NEEDLE], [300], [0.25, 0.75], trials=2)
+    right, wrong = [" ".join(t.expected) for t in trials], ["no idea"] * 4
+    first = [_answered("full", trials[:2], right[:2]), _answered("sparse", trials[:2], wrong[:2])]
+    second = [_answered("full", trials[2:], right[2:]), _answered("sparse", trials[2:], right[2:]),
+              _answered("sparse", trials[:1], right[:1])]        # trial 0 again, now right
+    for folder, cells in (("a", first), ("b", second)):
+        results = ResultsFile(tmp_path / folder / "results.jsonl")
+        for cell in cells:
+            results.write_cell(cell)
+    loaded = load_results([tmp_path / "a", tmp_path / "b" / "results.jsonl"])
+    assert [(c.config, c.depth, len(c.results)) for c in loaded] == [
+        ("full", 0.25, 2), ("sparse", 0.25, 2), ("full", 0.75, 2), ("sparse", 0.75, 2)]
+    wanted = summary(first[:1] + second[:2] + [_answered("sparse", trials[:2], [right[0], wrong[1]])])
+    got = summary(loaded)
+    for config in ("full", "sparse"):
+        assert got[config]["accuracy"] == wanted[config]["accuracy"]
+        assert got[config]["prefill_tok_s"] is None and got[config]["decode_tok_s"] is None
+    assert got["sparse"]["accuracy"] == 0.75
+    assert got["sparse"]["against_first"] == {**wanted["sparse"]["against_first"], "pairs": 4}
+    assert got["sparse"]["against_first"]["points"] == -25.0
+
+    assert main(["eval", "report", str(tmp_path / "a"), str(tmp_path / "b"), "--out",
+                 str(tmp_path / "both")]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(r"vs full\s+points\s+-25\.0 ± 25\.0", printed)
+    assert re.search(r"prefill\s+tok/s\s+-\s+-", printed)
+    assert json.loads((tmp_path / "both" / "summary.json").read_text())["sparse"]["accuracy"] == 0.75
+
+    (tmp_path / "bad.jsonl").write_text('{"config": "full"}\n')
+    assert main(["eval", "report", str(tmp_path / "bad.jsonl")]) == 1
+    assert "bad.jsonl:1: not a trial row" in capsys.readouterr().err
+    assert main(["eval", "report", str(tmp_path / "missing")]) == 1
+    assert "no results.jsonl there" in capsys.readouterr().err
+
+
+def test_a_configuration_that_did_not_run_a_cell_shows_no_accuracy_there(tok):
+    trials = build_trials(tok, ["multikey", "vartrack"], [400], [0.5], trials=1)
+    cells = [_answered("full", [t], [" ".join(t.expected)]) for t in trials]
+    cells.append(_answered("sparse", trials[:1], [" ".join(trials[0].expected)]))
+    table = format_summary(cells).split("accuracy by configuration")[1]
+    assert re.search(r"multikey\s+400\s+100%\s+100%", table)
+    assert re.search(r"vartrack\s+400\s+100%\s+-", table)
+
+
 # ---- the CLI on SmolLM2 ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

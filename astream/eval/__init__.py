@@ -14,11 +14,13 @@ tokens per second per cell and configuration), heatmap PNGs and, with several
 configurations, compare.png; the PNGs need matplotlib (`pip install "astream[eval]"`).
 
 From Python: `run_eval(EvalPlan(...), model, configs, engine_kwargs, out_dir)` does it all;
-`build_trials` (the prompts) and `evaluate(engine, trials)` (on an open Engine) are its parts.
+`build_trials` (the prompts) and `evaluate(engine, trials)` (on an open Engine) are its parts;
+`load_results(paths)` reads runs' results.jsonl back into cells for `summary` and
+`format_summary`.
 """
 
 from astream.eval.evaluation import EvalPlan, EvalRun, config_from_options, run_eval, write_outputs
-from astream.eval.report import format_summary, summary, throughput, trial_row
+from astream.eval.report import format_summary, load_results, summary, throughput, trial_row
 from astream.eval.runner import CellResult, TrialResult, check_configs, evaluate, run_cell, run_configs
 from astream.eval.scoring import Verdict, extract, score
 from astream.eval.spec import EvalConfig, parse_configs, parse_depths, parse_lengths
@@ -28,6 +30,6 @@ from astream.eval.trials import Trial, build_trial, build_trials, group_cells
 
 __all__ = ["AGGREGATION_TASKS", "CellResult", "EvalConfig", "EvalPlan", "EvalRun", "NEEDLE", "RULER_TASKS", "TASKS", "Trial",
            "TrialResult", "Verdict", "build_trial", "build_trials", "check_configs", "config_from_options",
-           "evaluate", "extract", "format_summary", "group_cells", "load_tokenizer", "parse_configs",
+           "evaluate", "extract", "format_summary", "group_cells", "load_results", "load_tokenizer", "parse_configs",
            "parse_depths", "parse_lengths", "run_cell", "run_configs", "run_eval", "score", "summary",
            "throughput", "trial_row", "write_outputs"]

@@ -1,4 +1,5 @@
-"""The `astream eval` command: `astream eval needle ...` and `astream eval ruler ...`.
+"""The `astream eval` command: `astream eval needle ...`, `astream eval ruler ...`, and
+`astream eval report DIR ...`, the tables again from runs' results.jsonl.
 
 The main CLI registers it with `add_eval_command` and hands over its own way of adding one
 flag per engine option, so every engine knob (--offload, --sparse-policy, ...) works here.
@@ -7,12 +8,13 @@ flag per engine option, so every engine knob (--offload, --sparse-policy, ...) w
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Callable
 
 from astream.eval.evaluation import EvalPlan, run_eval
-from astream.eval.report import format_summary
+from astream.eval.report import format_summary, load_results, summary
 from astream.eval.spec import parse_configs, parse_depths, parse_lengths, parse_names
 from astream.eval.tasks import AGGREGATION_TASKS, NEEDLE, RULER_TASKS
 
@@ -38,6 +40,17 @@ def add_eval_command(commands: argparse._SubParsersAction, add_engine_options: A
         sub.set_defaults(run=run_eval_command)
         _add_grid_options(sub)
         add_engine_options(sub.add_argument_group("engine options (for every configuration)"))
+    report = tasks.add_parser(
+        "report", help="the tables again from results.jsonl (a stopped run, or several runs)",
+        description="Reads the results.jsonl of one or more runs (folders or files) and prints "
+        "their tables, with every configuration against the first over the prompts both ran. "
+        "A trial that a later file repeats takes the later row. The files hold no timing, so "
+        "there is no throughput.")
+    report.add_argument("runs", nargs="+", type=Path, metavar="RUN",
+                        help="a run's --out folder, or its results.jsonl")
+    report.add_argument("--out", type=Path, metavar="DIR",
+                        help="also write summary.json of them all to DIR")
+    report.set_defaults(run=run_report_command, engine_free=True)
 
 
 def _add_grid_options(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +83,17 @@ async def run_eval_command(args: argparse.Namespace, engine_kwargs: dict, _sampl
     for note in run.notes:
         print(f"astream: {note}", file=sys.stderr)
     print(f"astream: wrote {', '.join(str(path) for path in run.files)}", file=sys.stderr)
+
+
+async def run_report_command(args: argparse.Namespace) -> None:
+    cells = load_results(args.runs)
+    if not cells:
+        raise ValueError(f"no trials in {', '.join(map(str, args.runs))}")
+    print(format_summary(cells))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "summary.json").write_text(json.dumps(summary(cells), indent=1))
+        print(f"astream: wrote {args.out / 'summary.json'}", file=sys.stderr)
 
 
 def _positive(text: str) -> int:

@@ -1,8 +1,11 @@
-"""What a run leaves behind: results.jsonl (one line per trial), summary.json, the tables.
+"""What a run leaves behind: results.jsonl (one line per trial), summary.json, the tables;
+and the same tables again from results.jsonl files (`astream eval report`), for a run that
+was stopped before its summary or for several runs over the same prompts.
 
 Throughput is what the run saw, summed over cells: prefill tok/s is prompt tokens / seconds
 from each cell's start until its last trial's first token; decode tok/s is tokens generated
-after each trial's first / seconds from then until the cell's last trial ended.
+after each trial's first / seconds from then until the cell's last trial ended. The files
+hold no timing: cells read back from them have no throughput (None, shown as "-").
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Iterable, Sequence
 from astream.eval.runner import CellResult, TrialResult
 from astream.eval.scoring import accuracy
 
+RESULTS_FILE = "results.jsonl"
+
 
 @dataclass(slots=True)
 class Throughput:
@@ -25,12 +30,13 @@ class Throughput:
     decode_s: float = 0.0
 
     @property
-    def prefill_tok_s(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+    def prefill_tok_s(self) -> float | None:
+        """None where nothing was timed (cells read back from results.jsonl)."""
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else None
 
     @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
 
 
 def throughput(cells: Iterable[CellResult]) -> Throughput:
@@ -46,7 +52,7 @@ def throughput(cells: Iterable[CellResult]) -> Throughput:
 def trial_row(result: TrialResult) -> dict:
     trial = result.trial
     return {"config": result.config, "task": trial.task, "length": trial.length, "depth": trial.depth,
-            "trial": trial.index, "seed": trial.seed, "prompt_tokens": len(trial.prompt_ids),
+            "trial": trial.index, "seed": trial.seed, "prompt_tokens": trial.prompt_tokens,
             "prompt_sha1": trial.prompt_sha1, "needle_depth": round(trial.needle_depth, 4),
             "expected": list(trial.expected), "answer": result.answer, "found": list(result.found),
             "score": result.score, "correct": result.correct,
@@ -71,6 +77,58 @@ class ResultsFile:
                 file.write(json.dumps(trial_row(result)) + "\n")
 
 
+@dataclass(slots=True, frozen=True)
+class RecordedTrial:
+    """A trial as results.jsonl records it: its prompt by length and hash, not its tokens."""
+
+    task: str
+    length: int
+    depth: float
+    index: int
+    seed: int
+    prompt_tokens: int
+    prompt_sha1: str
+    expected: tuple[str, ...]
+    needle_depth: float
+
+
+def load_results(paths: Iterable[Path]) -> list[CellResult]:
+    """The cells of results.jsonl files (each path a run's folder or the file itself), in the
+    order their rows first appear. A trial that a later row repeats (same configuration,
+    cell, trial number and prompt) takes the later row. ValueError names a missing file or
+    a line that is not a trial row."""
+    trials: dict[tuple, TrialResult] = {}
+    for path in paths:
+        file = path / RESULTS_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"{path}: no {RESULTS_FILE} there")
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                result = _trial_result(json.loads(line))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{file}:{number}: not a trial row ({exc})") from None
+            trial = result.trial
+            trials[(result.config, trial.task, trial.length, trial.depth, trial.index,
+                    trial.prompt_sha1)] = result
+    cells: dict[tuple, CellResult] = {}
+    for result in trials.values():
+        trial = result.trial
+        key = (result.config, trial.task, trial.length, trial.depth)
+        cells.setdefault(key, CellResult(*key)).results.append(result)
+    return list(cells.values())
+
+
+def _trial_result(row: dict) -> TrialResult:
+    trial = RecordedTrial(str(row["task"]), int(row["length"]), float(row["depth"]), int(row["trial"]),
+                          int(row["seed"]), int(row["prompt_tokens"]), str(row["prompt_sha1"]),
+                          tuple(row["expected"]), float(row["needle_depth"]))
+    return TrialResult(str(row["config"]), trial, row["answer"], tuple(row["found"]),
+                       float(row["score"]), bool(row["correct"]), int(row["generated_tokens"]),
+                       row["finish_reason"], row["error"])
+
+
 def summary(cells: Sequence[CellResult]) -> dict:
     """Accuracy and throughput per configuration and per cell (summary.json). Accuracy is a
     fraction in [0, 1]; a cell's prompt tokens are given per trial (the mean) and in total."""
@@ -80,14 +138,14 @@ def summary(cells: Sequence[CellResult]) -> dict:
         mine = [c for c in cells if c.config == config]
         speed = throughput(mine)
         out[config] = {
-            "accuracy": _accuracy(mine), "prefill_tok_s": round(speed.prefill_tok_s, 1),
-            "decode_tok_s": round(speed.decode_tok_s, 1),
+            "accuracy": _accuracy(mine), "prefill_tok_s": _rounded(speed.prefill_tok_s),
+            "decode_tok_s": _rounded(speed.decode_tok_s),
             "cells": [{"task": c.task, "length": c.length, "depth": c.depth, "trials": len(c.results),
                        "accuracy": c.accuracy,
                        "prompt_tokens_per_trial": round(c.prompt_tokens / max(len(c.results), 1), 1),
                        "prompt_tokens_total": c.prompt_tokens,
-                       "prefill_tok_s": round(throughput([c]).prefill_tok_s, 1),
-                       "decode_tok_s": round(throughput([c]).decode_tok_s, 1), **c.policy}
+                       "prefill_tok_s": _rounded(throughput([c]).prefill_tok_s),
+                       "decode_tok_s": _rounded(throughput([c]).decode_tok_s), **c.policy}
                       for c in mine]}
         found = paired_difference(cells, config, configs[0]) if config != configs[0] else None
         if found is not None:
@@ -141,7 +199,7 @@ def format_summary(cells: Sequence[CellResult]) -> str:
 def _config_tables(config: str, cells: list[CellResult]) -> str:
     speed = throughput(cells)
     lines = [f"[{config}] accuracy {_pct(_accuracy(cells))} of {sum(len(c.results) for c in cells)} "
-             f"trials; prefill {speed.prefill_tok_s:,.0f} tok/s, decode {speed.decode_tok_s:,.0f} tok/s"]
+             f"trials; prefill {_rate(speed.prefill_tok_s)} tok/s, decode {_rate(speed.decode_tok_s)} tok/s"]
     for task in _unique(c.task for c in cells):
         mine = [c for c in cells if c.task == task]
         depths = _unique(c.depth for c in mine)
@@ -154,7 +212,7 @@ def _config_tables(config: str, cells: list[CellResult]) -> str:
 
 def _compare_table(cells: Sequence[CellResult]) -> str:
     configs = _unique(c.config for c in cells)
-    rows = [[task, str(length)] + [_pct(_accuracy(_select(cells, config=k, task=task, length=length)))
+    rows = [[task, str(length)] + [_pct_of(_select(cells, config=k, task=task, length=length))
                                    for k in configs]
             for task in _unique(c.task for c in cells) for length in _unique(c.length for c in cells)
             if _select(cells, task=task, length=length)]
@@ -163,8 +221,8 @@ def _compare_table(cells: Sequence[CellResult]) -> str:
     rows.append([f"vs {configs[0]}", "points", ""] + [
         "" if d is None else f"{100 * d.mean:+.1f} ± {100 * d.standard_error:.1f}" for d in differences])
     speeds = [throughput(_select(cells, config=k)) for k in configs]
-    rows.append(["prefill", "tok/s"] + [f"{s.prefill_tok_s:,.0f}" for s in speeds])
-    rows.append(["decode", "tok/s"] + [f"{s.decode_tok_s:,.0f}" for s in speeds])
+    rows.append(["prefill", "tok/s"] + [_rate(s.prefill_tok_s) for s in speeds])
+    rows.append(["decode", "tok/s"] + [_rate(s.decode_tok_s) for s in speeds])
     return ("accuracy by configuration (same prompts; against the first: the mean difference "
             "± its standard error over the prompts)\n" + _table(["task", "length", *configs], rows))
 
@@ -175,6 +233,19 @@ def _select(cells: Iterable[CellResult], **match) -> list[CellResult]:
 
 def _accuracy(cells: Sequence[CellResult]) -> float:
     return accuracy(r.score for c in cells for r in c.results)
+
+
+def _rounded(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, 1)
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:,.0f}"
+
+
+def _pct_of(cells: Sequence[CellResult]) -> str:
+    """Accuracy of the cells, "-" where they hold no trial (a configuration not run there)."""
+    return _pct(_accuracy(cells)) if any(c.results for c in cells) else "-"
 
 
 def _pct(value: float) -> str:

@@ -50,7 +50,7 @@ class CellResult:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(r.trial.prompt_ids) for r in self.results)
+        return sum(r.trial.prompt_tokens for r in self.results)
 
     @property
     def decode_tokens(self) -> int:

@@ -33,6 +33,10 @@ class Trial:
         return self.task, self.length, self.depth
 
     @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
     def prompt_sha1(self) -> str:
         return hashlib.sha1(" ".join(map(str, self.prompt_ids)).encode()).hexdigest()
 

@@ -261,7 +261,7 @@ def _configs(args: argparse.Namespace) -> tuple:
     from astream.base.sampling import SamplingParams
     from astream.server.options import ServerOptions
 
-    if args.run is _graph:
+    if args.run is _graph or getattr(args, "engine_free", False):
         return ()
     if args.run is _worker:
         config = EngineConfig(**_pick(args, EngineConfig, {"model"}))
