@@ -128,7 +128,7 @@ class Request:
         first token is that step and the ones before it in flight), in milliseconds."""
         queue = None if self.queued is None else self.queued * 1e3
         if self.first_token_at is None:
-            return {"ttft_ms": None, "tpot_ms": None, "queue_ms": queue}
+            return {**no_timing(), "queue_ms": queue}
         later = self.completion_tokens - 1
         tpot = (self.last_token_at - self.first_token_at) / later * 1e3 if later > 0 else None
         return {"ttft_ms": (self.first_token_at - self.submitted_at) * 1e3, "tpot_ms": tpot,
@@ -171,3 +171,8 @@ def stream_token(request_id: str, index: int, token_id: int, text: str, finish_r
         return StreamToken(request_id, index, token_id, text, finish_reason, error, choice)
     return StreamToken(request_id, index, token_id, text, finish_reason, error, choice,
                        logprob.logprob, logprob.top)
+
+
+def no_timing() -> dict:
+    """Request.timing() before a first token: every figure None."""
+    return {"ttft_ms": None, "tpot_ms": None, "queue_ms": None}

@@ -44,6 +44,7 @@ from astream.base.errors import EngineClosedError, PromptTooLongError
 from astream.base.metrics import EngineMetrics
 from astream.base.outputs import Progress, StreamToken
 from astream.base.sampling import SamplingParams
+from astream.core.request import no_timing
 from astream.engine.engine import Engine
 from astream.engine.request_stream import stream_request
 from astream.runtime.events import run_off_loop
@@ -126,7 +127,7 @@ class RemoteStream:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
-    _timing: dict = field(default_factory=lambda: {"ttft_ms": None, "tpot_ms": None, "queue_ms": None})
+    _timing: dict = field(default_factory=no_timing)
     _taken: int = 0                 # tokens the consumer took
     _granted: int = 0               # credit last sent to the child
     _ended: int = 0                 # choices whose final token the consumer took
