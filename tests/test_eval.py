@@ -358,6 +358,31 @@ def test_cli_reruns_one_cell_with_offload_on_the_same_prompt(needle_run, tmp_pat
     assert (tmp_path / "heatmap.png").read_bytes().startswith(PNG_MAGIC)
 
 
+def test_cli_resumes_a_stopped_run_running_only_the_cells_it_lacks(needle_run, tmp_path, tokenizer_dir,
+                                                                   capsys):
+    first, _ = needle_run
+    rows = _rows(first)
+    # A run that stopped after two of its three cells (their answers marked, to see they stay).
+    kept = [{**row, "answer": "kept"} for row in rows if row["depth"] != 0.5]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in kept))
+    flags = ["eval", "needle", "--lengths", "1K", "--depths", "0.1,0.5,0.9", "--trials", "1",
+             "--out", str(tmp_path), "--tokenizer", tokenizer_dir, "--resume", *ENGINE_FLAGS]
+    assert main([*flags, "--seed", "11"]) == 0
+    assert "resumed: 2 cell(s) kept" in capsys.readouterr().err
+    after = _rows(tmp_path)
+    assert [(r["depth"], r["answer"]) for r in after[:2]] == [(0.1, "kept"), (0.9, "kept")]
+    (new,) = after[2:]
+    assert (new["depth"], new["prompt_sha1"]) == (0.5, next(r for r in rows if r["depth"] == 0.5)["prompt_sha1"])
+    cells = json.loads((tmp_path / "summary.json").read_text())["full"]["cells"]
+    assert [c["depth"] for c in cells] == [0.1, 0.5, 0.9]
+    assert main([*flags, "--seed", "11"]) == 0                    # nothing left: no engine, no rows
+    assert "resumed: 3 cell(s) kept" in capsys.readouterr().err and len(_rows(tmp_path)) == 3
+    # Other prompts (another seed) keep nothing: every cell runs, appended after the old rows.
+    assert main([*flags, "--seed", "12", "--depths", "0.5"]) == 0
+    assert "resumed" not in capsys.readouterr().err
+    assert len(_rows(tmp_path)) == 4 and _rows(tmp_path)[3]["seed"] == 12
+
+
 def test_cli_reports_what_the_sparse_policies_did(tmp_path, tokenizer_dir):
     code = main(["eval", "needle", "--lengths", "1K", "--depths", "0.5", "--trials", "1", "--seed", "11",
                  "--compare", "xattention+quest:256", "--out", str(tmp_path), "--tokenizer", tokenizer_dir,

@@ -71,6 +71,10 @@ def _add_grid_options(parser: argparse.ArgumentParser) -> None:
                         "(':N' its budget) and offload")
     parser.add_argument("--out", type=Path, default=Path("astream-eval"), metavar="DIR",
                         help="folder for results.jsonl, summary.json and the plots (default: astream-eval)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cells DIR/results.jsonl already holds for these prompts and "
+                        "configurations, run only the rest and append them (a run stopped midway "
+                        "goes on where it stopped)")
 
 
 async def run_eval_command(args: argparse.Namespace, engine_kwargs: dict, _sampling=None) -> None:
@@ -78,7 +82,8 @@ async def run_eval_command(args: argparse.Namespace, engine_kwargs: dict, _sampl
         raise ValueError("--compare sets the sparse policy and offload of each configuration; "
                          "drop --offload / --sparse-policy, or write them into the --compare items")
     plan = EvalPlan(tuple(args.eval_tasks), tuple(args.lengths), tuple(args.depths), args.trials, args.seed)
-    run = await run_eval(plan, args.model, args.compare, engine_kwargs, args.out, progress=True)
+    run = await run_eval(plan, args.model, args.compare, engine_kwargs, args.out, progress=True,
+                         resume=args.resume)
     print(format_summary(run.cells))
     for note in run.notes:
         print(f"astream: {note}", file=sys.stderr)

@@ -17,7 +17,7 @@ from typing import Sequence
 from astream.eval.plot import (missing_matplotlib_message, plotting_available, write_compare_plot,
                                write_heatmap)
 from astream.eval.progress import ProgressBar
-from astream.eval.report import ResultsFile, summary
+from astream.eval.report import RESULTS_FILE, ResultsFile, load_results, summary
 from astream.eval.runner import CellResult, TrialResult, check_configs, run_configs
 from astream.eval.spec import EvalConfig
 from astream.eval.tokenizer import engine_tokenizer_option, load_tokenizer
@@ -57,29 +57,68 @@ def config_from_options(engine_kwargs: dict) -> EvalConfig:
 
 async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[EvalConfig] | None = None,
                    engine_kwargs: dict | None = None, out_dir: Path | None = None, *,
-                   tokenizer=None, progress: bool = False) -> EvalRun:
+                   tokenizer=None, progress: bool = False, resume: bool = False) -> EvalRun:
     """Build the plan's prompts once and run them under each configuration (default: one, from
-    `engine_kwargs`). With `out_dir`, write results.jsonl, summary.json and the plots there."""
+    `engine_kwargs`). With `out_dir`, write results.jsonl, summary.json and the plots there.
+    With `resume`, a cell that out_dir's results.jsonl already holds for a configuration (every
+    trial of it, on the same prompts) is kept, not run again; new cells are appended to the
+    file, and the summary covers both (throughput only the cells this run timed)."""
     engine_kwargs = dict(engine_kwargs or {})
     configs = list(configs) if configs else [config_from_options(engine_kwargs)]
     check_configs(model, configs, engine_kwargs)
+    if resume and out_dir is None:
+        raise ValueError("resume needs the folder of the run to resume (--out)")
     if tokenizer is None:
         tokenizer = load_tokenizer(model, engine_kwargs.get("tokenizer"))
     trials = build_trials(tokenizer, plan.tasks, plan.lengths, plan.depths, plan.trials, plan.seed)
-    results = ResultsFile(out_dir / "results.jsonl") if out_dir is not None else None
-    bar = ProgressBar(sys.stderr, len(trials) * len(configs)) if progress else None
+    path = out_dir / RESULTS_FILE if out_dir is not None else None
+    earlier = resume and path.is_file()
+    kept = finished_cells(path, trials, configs) if earlier else []
+    done = {(c.config, c.task, c.length, c.depth) for c in kept}
+    pending = {config.name: [t for t in trials if (config.name, *t.cell) not in done]
+               for config in configs}
+    results = ResultsFile(path, started=earlier) if path is not None else None
+    bar = ProgressBar(sys.stderr, sum(map(len, pending.values()))) if progress else None
 
     def on_trial(result: TrialResult) -> None:
         bar.advance(result.correct, f"[{result.config}]")
 
     with engine_tokenizer_option(model, tokenizer, engine_kwargs) as kwargs:
         cells = await run_configs(model, trials, configs, kwargs, on_trial if bar is not None else None,
-                                  results.write_cell if results is not None else None)
-    run = EvalRun(trials, cells)
+                                  results.write_cell if results is not None else None, pending)
+    run = EvalRun(trials, _in_plan_order(kept + cells, trials, configs))
+    if kept:
+        run.notes.append(f"resumed: {len(kept)} cell(s) kept from {path}, {len(cells)} run now")
     if out_dir is not None:
         run.files.append(results.path)
         write_outputs(run, out_dir)
     return run
+
+
+def finished_cells(path: Path, trials: Sequence[Trial], configs: Sequence[EvalConfig]) -> list[CellResult]:
+    """The cells of an earlier run's results.jsonl that hold every trial the plan has for
+    them, on the same prompts, under one of `configs` (their rows restricted to the plan's)."""
+    wanted: dict[tuple, set] = {}
+    for trial in trials:
+        wanted.setdefault(trial.cell, set()).add((trial.index, trial.prompt_sha1))
+    names = {config.name for config in configs}
+    finished = []
+    for cell in load_results([path]):
+        want = wanted.get((cell.task, cell.length, cell.depth))
+        if cell.config not in names or want is None:
+            continue
+        cell.results = [r for r in cell.results if (r.trial.index, r.trial.prompt_sha1) in want]
+        if {(r.trial.index, r.trial.prompt_sha1) for r in cell.results} == want:
+            finished.append(cell)
+    return finished
+
+
+def _in_plan_order(cells: list[CellResult], trials: Sequence[Trial],
+                   configs: Sequence[EvalConfig]) -> list[CellResult]:
+    """Configuration by configuration, each in the plan's cell order."""
+    order = {cell: i for i, cell in enumerate(dict.fromkeys(t.cell for t in trials))}
+    rank = {config.name: i for i, config in enumerate(configs)}
+    return sorted(cells, key=lambda c: (rank[c.config], order[(c.task, c.length, c.depth)]))
 
 
 def write_outputs(run: EvalRun, out_dir: Path) -> None:

@@ -40,8 +40,11 @@ class Throughput:
 
 
 def throughput(cells: Iterable[CellResult]) -> Throughput:
+    """Summed over the cells that were timed (a cell read back from a file was not)."""
     total = Throughput()
     for cell in cells:
+        if cell.prefill_s <= 0 and cell.decode_s <= 0:
+            continue
         total.prompt_tokens += cell.prompt_tokens
         total.decode_tokens += cell.decode_tokens
         total.prefill_s += cell.prefill_s
@@ -63,7 +66,8 @@ def trial_row(result: TrialResult) -> dict:
 @dataclass(slots=True)
 class ResultsFile:
     """DIR/results.jsonl, written cell by cell so an interrupted run keeps what it finished.
-    The first cell replaces the file of an earlier run; a run that fails before it leaves none."""
+    The first cell replaces the file of an earlier run (a run that fails before it leaves
+    none), unless the file is opened `started`: a resumed run appends to it."""
 
     path: Path
     started: bool = False

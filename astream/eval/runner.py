@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import anyio
 
@@ -73,20 +73,27 @@ def check_configs(model: str | None, configs: Sequence[EvalConfig], engine_kwarg
 
 async def run_configs(model: str | None, trials: Sequence[Trial], configs: Sequence[EvalConfig],
                       engine_kwargs: dict, on_trial: TrialHook | None = None,
-                      on_cell: CellHook | None = None) -> list[CellResult]:
+                      on_cell: CellHook | None = None,
+                      pending: Mapping[str, Sequence[Trial]] | None = None) -> list[CellResult]:
     """The same trials under each configuration, one engine at a time (closed before the next
     opens, so only one holds memory). Unset `max_model_len` and `max_num_seqs` become what the
     trials need (the longest prompt and answer; the largest cell), which also keeps an
-    offload engine's host pool no larger than they use."""
+    offload engine's host pool no larger than they use. `pending` gives a configuration
+    only some of the trials to run (a resumed run); the engine is sized for all of them all
+    the same, so a cell runs alike whichever run it falls in, and a configuration with
+    nothing left opens no engine."""
     check_configs(model, configs, engine_kwargs)
     defaults = {"max_model_len": max(len(t.prompt_ids) + t.max_tokens for t in trials),
                 "max_num_seqs": max(len(cell) for cell in group_cells(trials))}
     _check_length(defaults["max_model_len"], engine_kwargs.get("max_model_len"))
     cells: list[CellResult] = []
     for config in configs:
+        mine = trials if pending is None else pending.get(config.name, trials)
+        if not mine:
+            continue
         kwargs = {**defaults, **engine_kwargs, **config.engine_kwargs}
         async with Engine(model, **kwargs) as engine:
-            cells += await evaluate(engine, trials, config.name, on_trial, on_cell)
+            cells += await evaluate(engine, mine, config.name, on_trial, on_cell)
     return cells
 
 
