@@ -18,7 +18,7 @@ from astream.eval.trials import Trial, group_cells
 @dataclass(slots=True)
 class TrialResult:
     config: str
-    trial: Trial
+    trial: Trial                            # or a report.RecordedTrial, read back from a file
     answer: str = ""
     found: tuple[str, ...] = ()
     score: float = 0.0
