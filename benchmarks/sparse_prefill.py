@@ -40,7 +40,6 @@ from astream.base.config import EngineConfig
 from astream.base.sampling import SamplingParams
 from astream.core.engine_core import EngineCore
 from astream.executor.inputs import varlen_meta
-from astream.ops import flexprefill as fp
 from astream.ops import minference as mi
 from astream.ops import xattention as xa
 from astream.ops.backends import AttentionBackends
@@ -197,18 +196,9 @@ def flexprefill_parts_ms(ctx: int, chunk: int, policy: FlexPrefillPolicy, device
     start, scale, block = max(0, ctx - chunk), DIM ** -0.5, policy.block_size
     q, k, v = random_qkv(ctx, ctx, device, dtype, seed=ctx)
     q, n_q = q[start:], ctx - start
-
-    def estimate():
-        return (fp.last_block_estimate(q, k, block=block, scale=scale),
-                fp.query_aware_scores(q, k, block=block, scale=scale))
-    est, qa_scores = estimate()
-
-    def select():
-        return fp.select_blocks(est, qa_scores, gamma=policy.gamma, tau=policy.tau,
-                                min_blocks=fp.block_budget(policy.min_budget, block),
-                                max_blocks=None if policy.max_budget is None
-                                else fp.block_budget(policy.max_budget, block),
-                                n_q=n_q, n_k=ctx, block=block)[0]
+    estimate = lambda: policy.estimate(q, k, scale)                 # noqa: E731
+    select = lambda: policy.select(*est, n_q, ctx)[0]               # noqa: E731
+    est = estimate()
     mask = select()
     return {"last_chunk_ms": {
         "estimate": _timed(estimate)[1], "select": _timed(select)[1],

@@ -8,13 +8,12 @@ flag per engine option, so every engine knob (--offload, --sparse-policy, ...) w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Callable
 
 from astream.eval.evaluation import EvalPlan, run_eval
-from astream.eval.report import format_summary, load_results, summary
+from astream.eval.report import format_summary, load_results, write_summary
 from astream.eval.spec import parse_configs, parse_depths, parse_lengths, parse_names
 from astream.eval.tasks import AGGREGATION_TASKS, NEEDLE, RULER_TASKS
 
@@ -97,8 +96,7 @@ async def run_report_command(args: argparse.Namespace) -> None:
     print(format_summary(cells))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "summary.json").write_text(json.dumps(summary(cells), indent=1))
-        print(f"astream: wrote {args.out / 'summary.json'}", file=sys.stderr)
+        print(f"astream: wrote {write_summary(cells, args.out)}", file=sys.stderr)
 
 
 def _positive(text: str) -> int:

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Sequence
 from astream.eval.plot import (missing_matplotlib_message, plotting_available, write_compare_plot,
                                write_heatmap)
 from astream.eval.progress import ProgressBar
-from astream.eval.report import RESULTS_FILE, ResultsFile, load_results, summary
+from astream.eval.report import RESULTS_FILE, ResultsFile, load_results, write_summary
 from astream.eval.runner import CellResult, TrialResult, check_configs, run_configs
 from astream.eval.spec import EvalConfig
 from astream.eval.tokenizer import engine_tokenizer_option, load_tokenizer
@@ -123,9 +122,7 @@ def _in_plan_order(cells: list[CellResult], trials: Sequence[Trial],
 
 def write_outputs(run: EvalRun, out_dir: Path) -> None:
     """summary.json, and the plots when matplotlib is there (a note says how to get them if not)."""
-    path = out_dir / "summary.json"
-    path.write_text(json.dumps(summary(run.cells), indent=2) + "\n")
-    run.files.append(path)
+    run.files.append(write_summary(run.cells, out_dir))
     if not plotting_available():
         run.notes.append(missing_matplotlib_message())
         return

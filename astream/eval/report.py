@@ -20,6 +20,7 @@ from astream.eval.runner import CellResult, TrialResult
 from astream.eval.scoring import accuracy
 
 RESULTS_FILE = "results.jsonl"
+SUMMARY_FILE = "summary.json"
 
 
 @dataclass(slots=True)
@@ -131,6 +132,13 @@ def _trial_result(row: dict) -> TrialResult:
     return TrialResult(str(row["config"]), trial, row["answer"], tuple(row["found"]),
                        float(row["score"]), bool(row["correct"]), int(row["generated_tokens"]),
                        row["finish_reason"], row["error"])
+
+
+def write_summary(cells: Sequence[CellResult], out_dir: Path) -> Path:
+    """out_dir/summary.json of the cells (`summary`)."""
+    path = out_dir / SUMMARY_FILE
+    path.write_text(json.dumps(summary(cells), indent=2) + "\n")
+    return path
 
 
 def summary(cells: Sequence[CellResult]) -> dict:

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="websocket (astream-ws/1) and OpenAI API server",
                                 epilog=SETTINGS_EPILOG)
     graph = commands.add_parser("graph", help="print the engine's stage graph")
-    graph.set_defaults(run=_graph, command_parser=graph)
+    graph.set_defaults(run=_graph, command_parser=graph, engine_free=True)
     worker = commands.add_parser(
         "worker", help="run the tensor-parallel ranks of a host other than node 0",
         description="Run this host's tensor-parallel ranks for an engine started on node 0 "
@@ -261,7 +261,7 @@ def _configs(args: argparse.Namespace) -> tuple:
     from astream.base.sampling import SamplingParams
     from astream.server.options import ServerOptions
 
-    if args.run is _graph or getattr(args, "engine_free", False):
+    if getattr(args, "engine_free", False):      # graph, eval report: no engine settings
         return ()
     if args.run is _worker:
         config = EngineConfig(**_pick(args, EngineConfig, {"model"}))

@@ -1,7 +1,7 @@
 """Triton kernels for FlexPrefill's last-block estimate (CUDA; also runs under
 TRITON_INTERPRET=1): each query head's mean attention weight per key block (vertical) and
 per diagonal block (slash), from the chunk's last rows, without forming their weights.
-Reference and contract: astream.ops.flexprefill.last_block_estimate_ref.
+Reference and contract: astream.ops.flexprefill.last_block_sums_ref.
 
 The softmax needs every key's score before any weight, so the rows' scores are formed twice:
 - `_stats_kernel`, grid (head, key-tile group): each program walks TILES key tiles of
@@ -100,7 +100,7 @@ def _sums_kernel(q_ptr, k_ptr, row_stats_ptr, vertical_ptr, parts_ptr, scale_log
 
 
 def last_block_sums_triton(rows: Tensor, k: Tensor, *, block: int, scale: float) -> tuple[Tensor, Tensor]:
-    """(vertical, slash) [H, n_kb] float32 of last_block_estimate_ref for the chunk's last rows
+    """(vertical, slash) [H, n_kb] float32 of last_block_sums_ref for the chunk's last rows
     `rows` [R, H, D] (R <= block; the last at position len(k) - 1) against k [Tk, KVH, D]."""
     n_rows, n_heads, head_dim = rows.shape
     n_k, kv_heads, _ = k.shape

@@ -80,6 +80,20 @@ class FlexPrefillPolicy(SparsePolicy):
         if self.max_budget is not None:
             check_int("FlexPrefillPolicy", "max_budget", self.max_budget, max(1, self.min_budget))
 
+    def estimate(self, q: Tensor, k: Tensor, scale: float) -> tuple[ops.Estimate, Tensor]:
+        """A chunk's last-block estimate and its query-aware block scores."""
+        return (ops.last_block_estimate(q, k, block=self.block_size, scale=scale),
+                ops.query_aware_scores(q, k, block=self.block_size, scale=scale))
+
+    def select(self, est: ops.Estimate, qa_scores: Tensor, n_q: int, n_k: int) -> tuple[Tensor, Tensor]:
+        """(block mask, query-aware heads) of a chunk of n_q queries over n_k keys, at this
+        policy's settings."""
+        block = self.block_size
+        max_blocks = None if self.max_budget is None else ops.block_budget(self.max_budget, block)
+        return ops.select_blocks(est, qa_scores, gamma=self.gamma, tau=self.tau,
+                                 min_blocks=ops.block_budget(self.min_budget, block),
+                                 max_blocks=max_blocks, n_q=n_q, n_k=n_k, block=block)
+
     def bind(self, layout: KVLayout) -> "FlexPrefillRuntime":
         heads = torch.zeros(layout.num_layers, 2, dtype=torch.int64, device=layout.device)
         return FlexPrefillRuntime(counters=prefill_counters(layout), traits=prefill_traits(layout),
@@ -103,13 +117,7 @@ class FlexPrefillRuntime(SequencePrefillRuntime):
         n_q, n_k = q.shape[0], k.shape[0]
         if policy.gamma >= 1.0:           # exact: every visible block, nothing to estimate
             return visible_mask(q.shape[1], n_q, n_k, block, q.device)
-        est = ops.last_block_estimate(q, k, block=block, scale=scale)
-        qa_scores = ops.query_aware_scores(q, k, block=block, scale=scale)
-        max_blocks = None if policy.max_budget is None else ops.block_budget(policy.max_budget, block)
-        mask, query_aware = ops.select_blocks(
-            est, qa_scores, gamma=policy.gamma, tau=policy.tau,
-            min_blocks=ops.block_budget(policy.min_budget, block), max_blocks=max_blocks,
-            n_q=n_q, n_k=n_k, block=block)
+        mask, query_aware = policy.select(*policy.estimate(q, k, scale), n_q, n_k)
         self.heads[layer, 0] += query_aware.sum()
         self.heads[layer, 1] += query_aware.numel()
         return mask
