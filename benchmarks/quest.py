@@ -116,8 +116,9 @@ Sections (the section's own options after its name; defaults in brackets):
   logprobs. Figures: `identical_tokens` before the runs part, `logprob_drift` (the largest
   difference of a token's logprob before that: how far rounding moved the runs apart), and
   each run's seconds. Info: both runs' tokens and, where they part, the step and the top-2
-  margins there (`margin`, the reference's; `compared_margin`). On the CPU (float32) a row
-  fails at any parting or a drift beyond 1e-4; in bf16, where random weights' logits nearly
+  margins there (`margin`, the reference's; `compared_margin`). In float32 (the CPU's, or
+  --dtype float32 for `offload` on CUDA) a row fails at any parting or a drift beyond 1e-4;
+  in bf16, where random weights' logits nearly
   tie, only at a parting whose reference margin is beyond --tie [0.25] nats. --eager; --smoke:
   contexts 2048 (covering) and 1024 (offload), 6 tokens.
 
@@ -216,8 +217,9 @@ def add_arguments(parser) -> None:
                         help="speed: resident, offload and/or offload_full (its Full rows)")
     parser.add_argument("--reuse-pages", action="store_true",
                         help="speed, offload: keep selected pages on the device between steps")
-    parser.add_argument("--gqa-reduce", default="max",
-                        help="speed: Quest's GQA reductions in turn, e.g. max,relative")
+    parser.add_argument("--gqa-reduce", default=QuestPolicy().gqa_reduce,
+                        help="speed: Quest's GQA reductions in turn, e.g. max,relative "
+                             f"[the policy's default, {QuestPolicy().gqa_reduce}]")
     parser.add_argument("--prefetch", default="0",
                         help="speed, offload: Quest prefetch values in turn, e.g. 0,1,1.5")
     parser.add_argument("--keys-on-device", action="store_true",
@@ -239,6 +241,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--checks", default=None,
                         help="agreement: covering (Quest at a covering budget against Full, "
                              "offloaded) and/or offload (offloaded Full against resident)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="agreement, offload: the model's dtype (auto: float32 on the CPU, "
+                             "bfloat16 on CUDA); float32 holds the runs to float32's limits")
     parser.add_argument("--tie", type=float, default=TIE,
                         help=f"agreement, bf16: the reference's top-2 logprob margin two runs may "
                              f"part at [{TIE}]")
@@ -363,9 +368,9 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
                 for budget in budgets:
                     sparse = budget != FULL
                     for prefetch, reduce in itertools.product(prefetches if sparse else (0,),
-                                                              reductions if sparse else ("max",)):
+                                                              reductions if sparse else ("-",)):
                         set_budget(core, budget, kernels, dense_graphs, prefetch=prefetch,
-                                   gqa_reduce=reduce)
+                                   **({"gqa_reduce": reduce} if sparse else {}))
                         decode_steps(core, 2)                    # warm-up (and Triton compiles)
                         yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
                                 "budget": "full" if budget == FULL else budget,
@@ -448,7 +453,7 @@ def summarize(result: dict) -> None:
         late = f.get("late_bytes_per_step", {}).get("median", 0) / 1e6
         print(f"{p['mode']:<9}{p['layer_kernels']:>10}{p['kv']:>14}{p['context']:>8}"
               f"{p['batch']:>6}{str(p['budget']):>7}{p.get('prefetch', 0):>6}"
-              f"{p.get('gqa_reduce', 'max'):>9}{cells}{late:>9.1f}")
+              f"{p.get('gqa_reduce', '-'):>9}{cells}{late:>9.1f}")
 
 
 # ---------------------------------------------------------------- kernels, against torch
@@ -1326,7 +1331,7 @@ def offload_row(o, kv: str, ctx: int, limits: tuple[float, float]) -> dict:
     tiny = o.shape == "tiny"
     base = dict(model=str(shaped_model(o.shape, max_positions=ctx + o.steps)), load_format="dummy",
                 tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
-                dtype="float32" if o.device == "cpu" else "bfloat16", kv_cache_dtype=kv,
+                dtype=agreement_dtype(o), kv_cache_dtype=kv,
                 max_num_seqs=1, max_model_len=ctx + o.steps, max_num_batched_tokens=16384,
                 enforce_eager=o.eager, **({"kv_block_size": 16} if tiny else {}))
     prompt = torch.randint(100, 49152, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist()
@@ -1345,13 +1350,22 @@ def offload_row(o, kv: str, ctx: int, limits: tuple[float, float]) -> dict:
     return {**row, "seconds_resident": seconds["resident"], "seconds_offload": seconds["offload"]}
 
 
+def agreement_dtype(o) -> str:
+    """The model's dtype of an `agreement` run: --dtype, or float32 on the CPU and bf16 on CUDA."""
+    if o.dtype != "auto":
+        return o.dtype
+    return "float32" if o.device == "cpu" else "bfloat16"
+
+
 def agreement_cases(o):
     """`agreement`: per check, context and KV dtype, one row comparing greedy tokens."""
-    # float32 on the CPU: no parting is a near tie there, and logprobs agree to rounding.
-    limits = (-math.inf, EXACT_DRIFT) if o.device == "cpu" else (o.tie, math.inf)
     for check in o.checks.split(","):
         if check not in AGREEMENT_CONTEXTS:
             raise SystemExit(f"--checks: {check!r} is not one of {', '.join(AGREEMENT_CONTEXTS)}")
+        # float32 (the CPU's; `offload` takes --dtype): no parting is a near tie there, and
+        # logprobs agree to rounding.
+        exact = o.device == "cpu" or (check == "offload" and agreement_dtype(o) == "float32")
+        limits = (-math.inf, EXACT_DRIFT) if exact else (o.tie, math.inf)
         contexts = ([int(c) for c in o.ctx.split(",")] if o.ctx
                     else [(AGREEMENT_SMOKE_CONTEXTS if o.smoke else AGREEMENT_CONTEXTS)[check]])
         for kv in (o.kv_dtypes or AGREEMENT_KV[check]).split(","):

@@ -269,7 +269,8 @@ def compare_quest(args, layers, model_dtype, device) -> dict:
     n_blocks = -(-n // block)
     out = {"query_positions": positions, "kv_block_size": block}
     for budget in args.quest_budgets:
-        policy = QuestPolicy(budget_tokens=budget)
+        # `max`, as the figures in docs/BENCHMARKS.md were taken; `sum` below beside it.
+        policy = QuestPolicy(budget_tokens=budget, gqa_reduce="max")
         layout = KVLayout(len(layers), n_heads, kv_heads, head_dim, n_blocks, block, model_dtype,
                           torch.device(device), False, model_dtype, max_num_seqs=1)
         runtime = policy.bind(layout)

@@ -80,6 +80,24 @@ def test_block_means_in_row_slices_are_the_same(monkeypatch):
     torch.testing.assert_close(want, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_the_policys_estimate_reads_the_key_block_means_once_and_the_same(monkeypatch):
+    """FlexPrefillPolicy.estimate hands one pass over the keys' block means to both halves:
+    the result is what each computes alone, and a mean of the wrong shape is refused."""
+    q, k, _ = random_qkv(70, 150, heads=8, kv_heads=4, seed=3)
+    want = (fp.last_block_estimate(q, k, block=16, scale=0.3),
+            fp.query_aware_scores(q, k, block=16, scale=0.3))
+    passes = []
+    means = fp.block_means
+    monkeypatch.setattr(fp, "block_means", lambda x, block: passes.append(x.shape) or means(x, block))
+    est, qa = FlexPrefillPolicy(block_size=16).estimate(q, k, 0.3)
+    assert passes.count(k.shape) == 1                    # the keys once; the queries once too
+    for a, b in zip(est, want[0]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    torch.testing.assert_close(qa, want[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="key_means of shape"):
+        fp.query_aware_scores(q, k, block=16, scale=0.3, key_means=means(k, 32))
+
+
 def test_js_distance_matches_its_formula():
     gen = torch.Generator().manual_seed(2)
     p, r = torch.rand(5, 9, generator=gen), torch.rand(5, 9, generator=gen)

@@ -69,9 +69,15 @@ def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_form
     assert mem.prefill_context == 4096 * (2 * layer_block + layer_block) == 6 * GiB
     # The decode graphs' sampling tables and workspace, a row per captured batch row.
     assert mem.graph_sampling == max_num_seqs * 151936 * (4 + 4 + 1 + 1 + 40)
+    # Quest's two-level selection a step: float32 scores of the 4,096 groups per KV head and
+    # query head ("relative"), each query head's scores of the 65 x 16 candidate pages (three
+    # tensors), and the candidates' gathered bounds (bf16 and float32, min and max).
+    candidates = 65 * 16
+    assert mem.decode_scratch == max_num_seqs * (4 * (4096 * (8 + 32) + candidates * 3 * 32)
+                                                 + candidates * 2 * 8 * 128 * (2 + 4))
     assert mem.device_total == sum((mem.weights, mem.device_kv, mem.ring, mem.staging, mem.tails,
-                                    mem.policy_metadata, mem.prefill_context, mem.graph_sampling,
-                                    mem.activations))
+                                    mem.policy_metadata, mem.decode_scratch, mem.prefill_context,
+                                    mem.graph_sampling, mem.activations))
     assert mem.device_total < 0.85 * 80 * GiB
     line = mem.describe()
     assert line.startswith("host pinned 72.00 GiB, device ") and "policy_metadata 4.52" in line
@@ -88,6 +94,40 @@ def test_keys_kept_on_the_device_are_half_the_selecting_layers_pool_and_still_fi
     assert keys.offload.slot_blocks < plain.offload.slot_blocks
     assert keys.memory.device_total < 0.85 * 80 * GiB
     assert "device_keys 34.00" in keys.memory.describe()
+
+
+def test_quest_scores_of_every_query_head_are_reserved_from_the_kv_cache():
+    """Resident, 128K, 64 rows: "relative" scores every page per query head besides per KV
+    head; the plan reserves those bytes, and the cache gives up the blocks they take."""
+    model = ModelConfig.from_hf({**QWEN3_4B, "max_position_embeddings": 131072})
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=8192)
+    weights = weight_bytes(model, torch.bfloat16)
+    available = MemoryAvailable(H100.device_free - weights, H100.device_total, H100.host)
+    plans = {reduce: plan_cache(cache_spec(config, model, QuestPolicy(gqa_reduce=reduce), 2, CUDA),
+                                model, torch.bfloat16, CUDA, torch.bfloat16, available)
+             for reduce in ("relative", "max")}
+    pages = 131072 // 16
+    assert plans["max"].memory.decode_scratch == 64 * 4 * pages * 8
+    assert plans["relative"].memory.decode_scratch == 64 * 4 * pages * (8 + 32)      # 80 MiB
+    block = plans["max"].memory.device_kv // plans["max"].num_blocks
+    extra = plans["relative"].memory.decode_scratch - plans["max"].memory.decode_scratch
+    gave_up = plans["max"].num_blocks - plans["relative"].num_blocks
+    assert gave_up == pytest.approx(extra / (block * (1 + QuestPolicy().kv_overhead(36, 256))), abs=1)
+    assert "decode_scratch 0.08" in plans["relative"].memory.describe()
+    # Prefetch's selection (of prefetch x the budget's pages) runs beside a layer's own: in
+    # one level both score every page; in two, the prefetch's candidates are 1.5x as many.
+    shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, rows=64, block_size=256)
+    one = QuestPolicy().decode_scratch_bytes(max_context=131072, **shape)
+    assert QuestPolicy(prefetch=1.5).decode_scratch_bytes(max_context=131072, **shape) == 2 * one
+    groups, heads = 65536 // 16, 8 + 32
+    two_level = {n: 64 * (4 * (groups * heads + n * 16 * 3 * 32) + n * 16 * 2 * 8 * 128 * 6)
+                 for n in (65, 97)}                     # groups kept: 4 x 256 / 16 + 1, 4 x 384 / 16 + 1
+    assert QuestPolicy().decode_scratch_bytes(max_context=MILLION, **shape) == two_level[65]
+    assert QuestPolicy(prefetch=1.5).decode_scratch_bytes(max_context=MILLION, **shape) \
+        == two_level[65] + two_level[97]
+    # A context the budget covers never selects: nothing to reserve.
+    assert QuestPolicy().decode_scratch_bytes(num_heads=32, num_kv_heads=8, head_dim=128, rows=64,
+                                              max_context=4096, block_size=256) == 0
 
 
 def test_a_million_token_sparse_prefill_plans_its_prefixes_and_fits():

@@ -280,9 +280,11 @@ async def test_cancel_and_abort_return_every_block_with_quest(offload):
                 await anyio.sleep(0.01)
 
 
-def test_the_relative_reduction_named_in_a_spec_is_what_the_engine_selects(monkeypatch):
-    """quest(gqa_reduce=relative) under a small budget: every selection the engine makes is
-    the relative rule's, and many differ from what max would pick."""
+@pytest.mark.parametrize("spec, rule, other", [("quest", "relative", "max"),
+                                                ("quest(gqa_reduce=max)", "max", "relative")])
+def test_the_engine_selects_by_the_default_or_the_named_gqa_reduction(monkeypatch, spec, rule, other):
+    """Under a small budget every selection the engine makes is the rule's ("relative" by
+    default, or the one a spec names), and many differ from what the other would pick."""
     from astream.ops.quest_select import select_decode_pages_ref
     from astream.policies.quest.policy import QuestRuntime
 
@@ -297,20 +299,20 @@ def test_the_relative_reduction_named_in_a_spec_is_what_the_engine_selects(monke
         return chosen
 
     monkeypatch.setattr(QuestRuntime, "select_decode", recording)
-    with LLM(**KW, sparse_policy="quest(gqa_reduce=relative)", sparse_budget=128) as llm:
+    with LLM(**KW, sparse_policy=spec, sparse_budget=128) as llm:
         llm.generate([LONG], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(calls) == 2 * 28                          # 2 decode steps x the sparse layers
     differs = 0
     for inputs, query, indices, counts in calls:
         want = {}
-        for reduce in ("relative", "max"):
+        for reduce in (rule, other):
             picks = select_decode_pages_ref(
                 *inputs, max_pages=-(-query.max_context // 16), block_size=16, page_size=16,
                 budget_pages=8, gqa_reduce=reduce, append_newest=query.append_newest)
             want[reduce] = picks.indices[..., :picks.counts.max()]
         got = indices[..., :counts.max()]
-        assert torch.equal(got, want["relative"])
-        differs += not torch.equal(got, want["max"])
+        assert torch.equal(got, want[rule])
+        differs += not torch.equal(got, want[other])
     assert differs > len(calls) // 2, differs
 
 

@@ -53,6 +53,7 @@ class CacheSpec:
     device_key_layers: int = 0      # with offload: layers whose keys the device keeps a copy of
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
+    decode_scratch_bytes: int = 0   # transient: what a decode step's selection holds (Quest's scores)
     host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
     graph_sampling_rows: int = 0    # rows of the decode graphs' sampling tables (0: none kept)
 
@@ -81,7 +82,8 @@ class MemoryAvailable:
 
 # MemoryPlan's device fields, in the order the start-up line shows them; the device total is their sum.
 DEVICE_PARTS = ("weights", "device_kv", "device_keys", "ring", "staging", "tails", "policy_metadata",
-                "decode_buffers", "prefix_buffers", "prefill_context", "graph_sampling", "activations")
+                "decode_buffers", "decode_scratch", "prefix_buffers", "prefill_context",
+                "graph_sampling", "activations")
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,10 +94,11 @@ class MemoryPlan:
     kept there (the whole cache, or with offload the device layers' copy), with offload the
     keys of the layers whose pages are gathered with keys from the device, the offload
     buffers (ring, staging, tails), the policy's metadata (Quest's page and group bounds),
-    its decode buffers, packed prefixes (sparse prefill with offload), the largest context
-    a prefill step dequantizes at once (with offload: a ring slot, or a device layer's whole
-    context, in the model's dtype), the decode graphs' sampling tables and workspace, and the
-    reserve for one step's activations.
+    its decode buffers, what its decode selection holds at once (Quest's page scores),
+    packed prefixes (sparse prefill with offload), the largest context a prefill step
+    dequantizes at once (with offload: a ring slot, or a device layer's whole context, in the
+    model's dtype), the decode graphs' sampling tables and workspace, and the reserve for one
+    step's activations.
     """
 
     host_pool: int = 0
@@ -107,6 +110,7 @@ class MemoryPlan:
     tails: int = 0
     policy_metadata: int = 0
     decode_buffers: int = 0
+    decode_scratch: int = 0
     prefix_buffers: int = 0
     prefill_context: int = 0
     graph_sampling: int = 0
@@ -172,6 +176,7 @@ def memory_plan(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, kv_dtype
     common = dict(weights=weight_bytes(model, dtype),
                   policy_metadata=int(blocks * block_bytes * cfg.kv_overhead),
                   graph_sampling=graph_sampling_bytes(cfg.graph_sampling_rows, model.vocab_size),
+                  decode_scratch=cfg.decode_scratch_bytes,
                   activations=_activation_bytes(model, budget, cfg.max_num_seqs, dtype))
     if offload is None:
         return MemoryPlan(device_kv=blocks * block_bytes, **common)
@@ -335,7 +340,8 @@ def _free_device_bytes(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype,
     free, total = ((memory.device_free, memory.device_total) if memory is not None
                    else torch.cuda.mem_get_info(device))
     reserve = (_activation_bytes(model, budget_tokens, cfg.max_num_seqs, dtype)
-               + graph_sampling_bytes(cfg.graph_sampling_rows, model.vocab_size))
+               + graph_sampling_bytes(cfg.graph_sampling_rows, model.vocab_size)
+               + cfg.decode_scratch_bytes)
     return int(total * cfg.gpu_memory_utilization) - (total - free) - reserve
 
 

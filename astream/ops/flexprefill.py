@@ -79,10 +79,23 @@ def block_means(x: Tensor, block: int) -> Tensor:
     return (sums / counts.view(-1, 1, 1)).transpose(0, 1)
 
 
-def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float) -> Estimate:
+def _or_block_means(key_means: Tensor | None, k: Tensor, block: int) -> Tensor:
+    """key_means [KVH, n_kb, D] as given (checked against k), else `block_means(k, block)`."""
+    if key_means is None:
+        return block_means(k, block)
+    want = (k.shape[1], -(-k.shape[0] // block), k.shape[2])
+    if tuple(key_means.shape) != want:
+        raise ValueError(f"key_means of shape {tuple(key_means.shape)}: keys {tuple(k.shape)} in "
+                         f"blocks of {block} have block means of shape {want}")
+    return key_means
+
+
+def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float,
+                        key_means: Tensor | None = None) -> Estimate:
     """The estimate of each query head (see the module docstring); its vertical and slash
     sums are the Triton kernels of astream.ops.triton_flexprefill on CUDA, and
-    `last_block_sums_ref` (their reference) elsewhere."""
+    `last_block_sums_ref` (their reference) elsewhere. key_means: `block_means(k, block)`,
+    where the caller has it already."""
     n_q, n_heads, _ = q.shape
     group = n_heads // k.shape[1]
     rows = q[n_q - min(block, n_q):]
@@ -92,7 +105,7 @@ def last_block_estimate(q: Tensor, k: Tensor, *, block: int, scale: float) -> Es
     else:
         vertical, slash = last_block_sums_ref(rows, k, block=block, scale=scale)
     mean_query = rows.float().mean(0)                                       # [H, D]
-    keys = block_means(k, block).repeat_interleave(group, dim=0)            # [H, n_kb, D]
+    keys = _or_block_means(key_means, k, block).repeat_interleave(group, dim=0)  # [H, n_kb, D]
     pooled = torch.softmax(torch.einsum("hd,hbd->hb", mean_query, keys) * scale, dim=-1)
     return Estimate(vertical, slash, pooled)
 
@@ -136,13 +149,15 @@ def js_distance(p: Tensor, q: Tensor) -> Tensor:
     return (0.5 * half.sum(-1)).clamp(min=0).sqrt()
 
 
-def query_aware_scores(q: Tensor, k: Tensor, *, block: int, scale: float) -> Tensor:
+def query_aware_scores(q: Tensor, k: Tensor, *, block: int, scale: float,
+                       key_means: Tensor | None = None) -> Tensor:
     """[H, n_qb, n_kb] float32: each query block's mean query against each key block's mean
-    key, a softmax over the key blocks it sees (0 where it sees none)."""
+    key, a softmax over the key blocks it sees (0 where it sees none). key_means:
+    `block_means(k, block)`, where the caller has it already."""
     n_q, n_heads, _ = q.shape
     n_k, kv_heads, _ = k.shape
     queries = block_means(q, block)                                          # [H, n_qb, D]
-    keys = block_means(k, block).repeat_interleave(n_heads // kv_heads, dim=0)
+    keys = _or_block_means(key_means, k, block).repeat_interleave(n_heads // kv_heads, dim=0)
     scores = torch.matmul(queries, keys.transpose(1, 2)) * scale
     visible = visible_mask(n_heads, n_q, n_k, block, q.device)
     return torch.softmax(scores.masked_fill_(~visible, float("-inf")), dim=-1)

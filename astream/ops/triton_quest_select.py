@@ -321,7 +321,9 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
     )
     if in_kernel is None:                       # "relative": less each head's best, then the max
         per_head = scores.view(batch, kv_heads, group, -1)
-        scores = (per_head - per_head.amax(dim=-1, keepdim=True)).amax(dim=2)
+        # In place: the per-query-head buffer is the largest the selection makes (the memory
+        # plan counts it, QuestPolicy.decode_scratch_bytes), so no second one beside it.
+        scores = per_head.sub_(per_head.amax(dim=-1, keepdim=True)).amax(dim=2)
     phys_arg = phys if physical else indices            # unread placeholder
     counters_arg = counters if counters is not None else counts
     head = register_head(max(max_pages - (ppb if append_newest else 0), 1), max_row_in_registers)

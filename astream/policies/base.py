@@ -6,7 +6,7 @@ Ten concepts:
 1. `SparsePolicy`: a small frozen description of a method and its parameters
    (`QuestPolicy(budget_tokens=2048)`), with its `name` and the `phase` it makes sparse.
    Before the cache is sized, the engine asks it for memory: `kv_overhead`,
-   `decode_buffer_tokens`, `offload_device_layers`.
+   `decode_buffer_tokens`, `decode_scratch_bytes`, `offload_device_layers`.
 2. `KVLayout`: what the policy is bound to once, when an engine is built: the model's
    attention shape and the KV cache it reads (the host pool with offload).
 3. `PolicyRuntime`: what `bind(layout)` returns. It owns the method's device metadata and
@@ -214,6 +214,13 @@ class SparsePolicy:
         """With offload, tokens of KV the runtime keeps on the device per decode row and
         offloaded layer besides the cache (Quest's `reuse_pages`, `prefetch`), counted when
         the device memory is planned, for contexts up to max_context (None: any)."""
+        return 0
+
+    def decode_scratch_bytes(self, *, num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
+                             max_context: int, block_size: int) -> int:
+        """Device bytes a decode step's selection holds at once (scores and the like), for
+        `rows` rows of up to max_context tokens in blocks of block_size, with the heads of
+        one rank: counted in the memory plan ("decode_scratch")."""
         return 0
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:

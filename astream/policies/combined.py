@@ -56,6 +56,12 @@ class CombinedPolicy(SparsePolicy):
     def decode_buffer_tokens(self, max_context: int | None = None) -> int:
         return self.decode.decode_buffer_tokens(max_context)
 
+    def decode_scratch_bytes(self, *, num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
+                             max_context: int, block_size: int) -> int:
+        return self.decode.decode_scratch_bytes(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rows=rows,
+            max_context=max_context, block_size=block_size)
+
     def bind(self, layout: KVLayout) -> "CombinedRuntime":
         prefill, decode = self.prefill.bind(layout), self.decode.bind(layout)
         traits = PolicyTraits(

@@ -81,9 +81,12 @@ class FlexPrefillPolicy(SparsePolicy):
             check_int("FlexPrefillPolicy", "max_budget", self.max_budget, max(1, self.min_budget))
 
     def estimate(self, q: Tensor, k: Tensor, scale: float) -> tuple[ops.Estimate, Tensor]:
-        """A chunk's last-block estimate and its query-aware block scores."""
-        return (ops.last_block_estimate(q, k, block=self.block_size, scale=scale),
-                ops.query_aware_scores(q, k, block=self.block_size, scale=scale))
+        """A chunk's last-block estimate and its query-aware block scores (both read the
+        keys' block means: computed once, a pass over every key of the chunk's context)."""
+        block = self.block_size
+        key_means = ops.block_means(k, block)
+        return (ops.last_block_estimate(q, k, block=block, scale=scale, key_means=key_means),
+                ops.query_aware_scores(q, k, block=block, scale=scale, key_means=key_means))
 
     def select(self, est: ops.Estimate, qa_scores: Tensor, n_q: int, n_k: int) -> tuple[Tensor, Tensor]:
         """(block mask, query-aware heads) of a chunk of n_q queries over n_k keys, at this

@@ -4,9 +4,10 @@ Per page (`page_size` tokens, inside a KV block), layer and KV head, the element
 min and max of the stored keys (after RoPE) are kept on the device, updated as keys are
 written. At decode, a page's criticality for a query head is the sum over channels of
 max(q_i * min_i, q_i * max_i), an upper bound of q.k over the page; a KV head scores a
-page by the max over its query heads (`gqa_reduce="sum"` sums them; "relative" takes the
-max of each head's score less that head's best page's, so heads whose scores run larger
-do not take the budget from the others: ops.quest_select.reduce_heads). Each
+page by the max over its query heads' scores, each less that head's best page's
+(`gqa_reduce="relative"`, the default), so heads whose scores run larger do not take the
+budget from the others; "max" takes the plain max, "sum" the sum
+(ops.quest_select.reduce_heads). Each
 sequence and KV head reads its top pages within `budget_tokens`, chosen among the pages
 of its full KV blocks and always with the first (the attention sink) and the newest of
 them; the sequence's newest, unfinished block is read whole besides (it is the device
@@ -44,7 +45,7 @@ import torch
 from torch import Tensor
 
 from astream.ops import quest as ops
-from astream.ops.quest_select import select_decode_pages, select_decode_pages_grouped
+from astream.ops.quest_select import group_budget, select_decode_pages, select_decode_pages_grouped
 from astream.policies.base import (
     DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy,
     check_int,
@@ -59,7 +60,7 @@ class QuestPolicy(SparsePolicy):
     dense_layers: int = 2
     sink_pages: int = 1
     recent_pages: int = 1
-    gqa_reduce: str = "max"
+    gqa_reduce: str = "relative"
     reuse_pages: bool = False
     prefetch: float = 0.0            # 0: off; else pages predicted a layer ahead, x the budget
     keys_on_device: bool = False     # with offload: selecting layers' keys kept on the device too
@@ -124,6 +125,31 @@ class QuestPolicy(SparsePolicy):
         if max_context is not None and max_context <= self.budget_tokens:     # never selects
             return 0
         return self.buffer_pages * self.page_size
+
+    def decode_scratch_bytes(self, *, num_heads: int, num_kv_heads: int, head_dim: int, rows: int,
+                             max_context: int, block_size: int) -> int:
+        """The largest tensors a selection holds at once, float32: the scores of every page
+        (or group of pages) per KV head, and per query head as well with "relative"; in two
+        levels also each query head's scores of the candidate pages and their gathered
+        bounds (a bf16 and a float32 copy of both). With `prefetch`, the predicted query's
+        selection of `prefetch_pages` runs on its own stream beside a layer's own."""
+        if max_context <= self.budget_tokens:
+            return 0
+        pages = -(-max_context // self.page_size)
+        two_level = self.keeps_groups(block_size) and pages > self.group_above_pages
+        scored = num_kv_heads + (num_heads if self.gqa_reduce == "relative" else 0)
+        bounds = 2 * num_kv_heads * head_dim * (2 + 4)
+
+        def selection(budget_pages: int) -> int:
+            if not two_level:
+                return 4 * rows * pages * scored
+            candidates = group_budget(budget_pages, self.group_pages, self.group_factor) \
+                * self.group_pages
+            groups = -(-pages // self.group_pages)
+            return (4 * rows * (groups * scored + candidates * 3 * num_heads)
+                    + rows * candidates * bounds)
+
+        return selection(self.budget_pages) + (selection(self.prefetch_pages) if self.prefetch else 0)
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:
         dense = min(self.dense_layers, num_layers)
