@@ -218,7 +218,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--reuse-pages", action="store_true",
                         help="speed, offload: keep selected pages on the device between steps")
     parser.add_argument("--gqa-reduce", default=QuestPolicy().gqa_reduce,
-                        help="speed: Quest's GQA reductions in turn, e.g. max,relative "
+                        help="speed: Quest's GQA reductions in turn, e.g. max,relative; "
+                             "kernels, filled, agreement: the first "
                              f"[the policy's default, {QuestPolicy().gqa_reduce}]")
     parser.add_argument("--prefetch", default="0",
                         help="speed, offload: Quest prefetch values in turn, e.g. 0,1,1.5")
@@ -350,7 +351,7 @@ def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
 
 def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: int,
                        kernel_sets: list[str], dense_graphs: str, prefetches: tuple[float, ...] = (0,),
-                       reductions: tuple[str, ...] = ("max",)):
+                       reductions: tuple[str, ...] = (QuestPolicy().gqa_reduce,)):
     with engine_core(config) as core:
         kv = core.stats()["kv_cache_dtype"]
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -390,19 +391,21 @@ def speed_cases(o):
     if o.budgets:
         budgets = [FULL if b == "full" else int(b) for b in o.budgets.split(",")]
     kernel_sets = [k for k in o.layer_kernels.split(",") if k]
-    # Page reuse's device buffers are planned from the policy the engine starts with: the
-    # largest budget timed (set_budget changes it between runs).
+    # Page reuse's device buffers and the selection's scratch are planned from the policy the
+    # engine starts with: the largest budget timed, "relative" if timed (set_budget changes
+    # them between runs).
     prefetches = tuple(float(p) for p in o.prefetch.split(","))
     reductions = tuple(o.gqa_reduce.split(","))
-    buffered = o.reuse_pages or any(prefetches)
-    planned = max((b for b in budgets if b != FULL), default=FULL) if buffered else FULL
+    planned = max((b for b in budgets if b != FULL), default=FULL)
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
                 tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
                 dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
                 max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
                                           reuse_pages=o.reuse_pages, prefetch=max(prefetches),
-                                          keys_on_device=o.keys_on_device),
+                                          keys_on_device=o.keys_on_device,
+                                          gqa_reduce="relative" if "relative" in reductions
+                                          else reductions[0]),
                 max_num_batched_tokens=16384, enforce_eager=o.eager)
     resident_cases = [(512, 1), (512, 2)] if smoke else [(32768, 1), (32768, 4), (131072, 1)]
     offload_cases = resident_cases if smoke else resident_cases + [(131072, 4)]
@@ -488,8 +491,9 @@ def times_us(fn, reps: int) -> list[float]:
     return [b.elapsed_time(e) * 1e3 for b, e in events]
 
 
-def make_case(batch: int, ctx: int, dev: str, gen: torch.Generator) -> dict:
-    """Shuffled paged bf16 caches of `batch` sequences of `ctx` tokens, and their bounds."""
+def make_case(batch: int, ctx: int, dev: str, gen: torch.Generator, gqa_reduce: str) -> dict:
+    """Shuffled paged bf16 caches of `batch` sequences of `ctx` tokens, and their bounds;
+    selections over them reduce a group's query heads by `gqa_reduce`."""
     from astream.ops import quest
     from astream.ops.quest_select import physical_page_ids
     per_seq = -(-ctx // KERNEL_BLOCK)
@@ -504,14 +508,15 @@ def make_case(batch: int, ctx: int, dev: str, gen: torch.Generator) -> dict:
     ids, num = physical_page_ids(tables, lens, max_pages=per_seq * KERNEL_BLOCK // PAGE,
                                  block_size=KERNEL_BLOCK)
     q = torch.randn(batch, KV_HEADS * GROUP, DIM, device=dev, generator=gen).bfloat16()
-    return dict(q=q, k=k, v=v, tables=tables, lens=lens, kmin=kmin, kmax=kmax, ids=ids, num=num)
+    return dict(q=q, k=k, v=v, tables=tables, lens=lens, kmin=kmin, kmax=kmax, ids=ids, num=num,
+                gqa_reduce=gqa_reduce)
 
 
 def select(c: dict, budget: int, fn=None):
     from astream.ops.quest_select import select_decode_pages
     return (fn or select_decode_pages)(
         c["q"], c["kmin"], c["kmax"], c["tables"], c["lens"], max_pages=c["ids"].shape[1],
-        block_size=KERNEL_BLOCK, page_size=PAGE, budget_pages=budget)
+        block_size=KERNEL_BLOCK, page_size=PAGE, budget_pages=budget, gqa_reduce=c["gqa_reduce"])
 
 
 def quest_step(c: dict, budget: int):
@@ -653,18 +658,19 @@ def kernels_cases(o):
     contexts = [int(c) for c in o.contexts.split(",")] if o.contexts else contexts
     batches = [int(b) for b in o.batches.split(",")] if o.batches else batches
     gen = torch.Generator(device=dev).manual_seed(0)
+    reduce = o.gqa_reduce.split(",")[0]
     yield {"part": "bounds"}, partial(bounds_row, dev, gen)
     for batch in batches:
         for ctx in contexts:
-            case = make_case(batch, ctx, dev, gen)
+            case = make_case(batch, ctx, dev, gen, reduce)
             for budget in budgets:
                 yield ({"part": "decode", "batch": batch, "ctx": ctx, "budget": budget},
                        partial(decode_row, case, budget, o.reps))
             del case
-    yield {"part": "all_pages"}, partial(all_pages_row, make_case(2, contexts[-1] // 2, dev, gen))
+    yield {"part": "all_pages"}, partial(all_pages_row, make_case(2, contexts[-1] // 2, dev, gen, reduce))
     if dev.startswith("cuda"):
         yield ({"part": "graph_replay"},
-               partial(graph_row, make_case(4, contexts[min(1, len(contexts) - 1)], dev, gen),
+               partial(graph_row, make_case(4, contexts[min(1, len(contexts) - 1)], dev, gen, reduce),
                        budgets[-1]))
     yield from gather_cases(batches[-1], budgets, 4 if o.smoke else 512, o.reps, dev, gen)
 
@@ -1125,6 +1131,7 @@ def filled_config(o, kv: str, ctx: int, batch: int, budget: int, tokenizer: str)
         max_num_batched_tokens=16384, enforce_eager=o.eager,
         sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=1 if o.smoke else 2,
                                   keys_on_device=o.keys_on_device,
+                                  gqa_reduce=o.gqa_reduce.split(",")[0],
                                   **({"group_pages": 4} if o.shape == "tiny" else {})),
         **({"kv_block_size": 64} if o.shape == "tiny" else {}))
 
@@ -1362,10 +1369,11 @@ def agreement_cases(o):
     for check in o.checks.split(","):
         if check not in AGREEMENT_CONTEXTS:
             raise SystemExit(f"--checks: {check!r} is not one of {', '.join(AGREEMENT_CONTEXTS)}")
-        # float32 (the CPU's; `offload` takes --dtype): no parting is a near tie there, and
-        # logprobs agree to rounding.
-        exact = o.device == "cpu" or (check == "offload" and agreement_dtype(o) == "float32")
-        limits = (-math.inf, EXACT_DRIFT) if exact else (o.tie, math.inf)
+        # float32 (the CPU's; `offload` takes --dtype, `covering` the filled engine's): no
+        # parting is a near tie there, and logprobs agree to rounding.
+        dtype = agreement_dtype(o) if check == "offload" else ("float32" if o.device == "cpu"
+                                                                else "bfloat16")
+        limits = (-math.inf, EXACT_DRIFT) if dtype == "float32" else (o.tie, math.inf)
         contexts = ([int(c) for c in o.ctx.split(",")] if o.ctx
                     else [(AGREEMENT_SMOKE_CONTEXTS if o.smoke else AGREEMENT_CONTEXTS)[check]])
         for kv in (o.kv_dtypes or AGREEMENT_KV[check]).split(","):

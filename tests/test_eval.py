@@ -294,6 +294,26 @@ def test_report_reads_stopped_and_separate_runs_back_into_the_same_tables(tok, t
     assert "no results.jsonl there" in capsys.readouterr().err
 
 
+def test_report_refuses_one_name_for_rows_of_different_policies(tok, tmp_path, capsys):
+    """"quest" rows from before and after a default changed: the report names both policies
+    instead of pairing them as one configuration; a run that names one of them apart reads."""
+    from astream.eval.report import ResultsFile
+    trials = build_trials(tok, [NEEDLE], [300], [0.25, 0.75], trials=1)
+    answers = [" ".join(t.expected) for t in trials]
+    for folder, trial, answer, policy in (("old", trials[0], answers[0], "QuestPolicy(gqa_reduce='max')"),
+                                          ("new", trials[1], answers[1], "QuestPolicy(gqa_reduce='relative')")):
+        cell = _answered("quest", [trial], [answer])
+        cell.results[0].policy = policy
+        ResultsFile(tmp_path / folder / "results.jsonl").write_cell(cell)
+    assert main(["eval", "report", str(tmp_path / "old"), str(tmp_path / "new")]) == 1
+    err = capsys.readouterr().err
+    assert "configuration 'quest' has rows of different sparse policies" in err
+    assert "gqa_reduce='max'" in err and "gqa_reduce='relative'" in err
+    renamed = [{**row, "config": "quest-max"} for row in _rows(tmp_path / "old")]
+    (tmp_path / "old" / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    assert main(["eval", "report", str(tmp_path / "old"), str(tmp_path / "new")]) == 0
+
+
 def test_a_configuration_that_did_not_run_a_cell_shows_no_accuracy_there(tok):
     trials = build_trials(tok, ["multikey", "vartrack"], [400], [0.5], trials=1)
     cells = [_answered("full", [t], [" ".join(t.expected)]) for t in trials]
@@ -337,6 +357,7 @@ def test_cli_finds_the_key_at_1k_and_writes_results_and_heatmap(needle_run):
     cells = [(r["config"], r["length"], r["depth"]) for r in rows]
     assert cells == [("full", 1024, depth) for depth in (0.1, 0.5, 0.9)]
     for row in rows:
+        assert row["policy"] == "FullPolicy()"                     # what the engine ran
         assert 1000 <= row["prompt_tokens"] <= 1024
         whole = re.findall(r"\d+", row["answer"])
         assert row["correct"] == (row["expected"][0] in whole)
@@ -381,6 +402,23 @@ def test_cli_resumes_a_stopped_run_running_only_the_cells_it_lacks(needle_run, t
     assert main([*flags, "--seed", "12", "--depths", "0.5"]) == 0
     assert "resumed" not in capsys.readouterr().err
     assert len(_rows(tmp_path)) == 4 and _rows(tmp_path)[3]["seed"] == 12
+
+
+def test_cli_resume_runs_again_a_cell_its_file_holds_under_another_policy(needle_run, tmp_path,
+                                                                            tokenizer_dir, capsys):
+    """A cell whose rows ran another policy than the configuration now resolves to (a default
+    changed since) is not kept: it runs again, and its new row supersedes the old one."""
+    first, _ = needle_run
+    rows = [{**row, "policy": "QuestPolicy(gqa_reduce='max')"} if row["depth"] == 0.9 else row
+            for row in _rows(first)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["eval", "needle", "--lengths", "1K", "--depths", "0.1,0.5,0.9", "--trials", "1",
+                 "--seed", "11", "--out", str(tmp_path), "--tokenizer", tokenizer_dir, "--resume",
+                 *ENGINE_FLAGS]) == 0
+    assert "resumed: 2 cell(s) kept" in capsys.readouterr().err
+    last = _rows(tmp_path)[-1]
+    assert (last["depth"], last["policy"]) == (0.9, "FullPolicy()")
+    assert main(["eval", "report", str(tmp_path)]) == 0            # the old row is superseded
 
 
 def test_cli_reports_what_the_sparse_policies_did(tmp_path, tokenizer_dir):

@@ -71,10 +71,11 @@ def test_a_million_fp8_tokens_of_qwen3_4b_with_offload_and_quest_follow_the_form
     assert mem.graph_sampling == max_num_seqs * 151936 * (4 + 4 + 1 + 1 + 40)
     # Quest's two-level selection a step: float32 scores of the 4,096 groups per KV head and
     # query head ("relative"), each query head's scores of the 65 x 16 candidate pages (three
-    # tensors), and the candidates' gathered bounds (bf16 and float32, min and max).
+    # tensors), and the candidates' gathered bounds (2 bytes and float32, min and max); once
+    # for the captured decode graphs' pool and once for an eager step.
     candidates = 65 * 16
-    assert mem.decode_scratch == max_num_seqs * (4 * (4096 * (8 + 32) + candidates * 3 * 32)
-                                                 + candidates * 2 * 8 * 128 * (2 + 4))
+    assert mem.decode_scratch == 2 * max_num_seqs * (4 * (4096 * (8 + 32) + candidates * 3 * 32)
+                                                     + candidates * 2 * 8 * 128 * (2 + 4))
     assert mem.device_total == sum((mem.weights, mem.device_kv, mem.ring, mem.staging, mem.tails,
                                     mem.policy_metadata, mem.decode_scratch, mem.prefill_context,
                                     mem.graph_sampling, mem.activations))
@@ -106,14 +107,19 @@ def test_quest_scores_of_every_query_head_are_reserved_from_the_kv_cache():
     plans = {reduce: plan_cache(cache_spec(config, model, QuestPolicy(gqa_reduce=reduce), 2, CUDA),
                                 model, torch.bfloat16, CUDA, torch.bfloat16, available)
              for reduce in ("relative", "max")}
+    # Once for the decode graphs' pool (64 captured rows), once for an eager step.
     pages = 131072 // 16
-    assert plans["max"].memory.decode_scratch == 64 * 4 * pages * 8
-    assert plans["relative"].memory.decode_scratch == 64 * 4 * pages * (8 + 32)      # 80 MiB
+    assert plans["max"].memory.decode_scratch == 2 * 64 * 4 * pages * 8
+    assert plans["relative"].memory.decode_scratch == 2 * 64 * 4 * pages * (8 + 32)  # 160 MiB
     block = plans["max"].memory.device_kv // plans["max"].num_blocks
     extra = plans["relative"].memory.decode_scratch - plans["max"].memory.decode_scratch
     gave_up = plans["max"].num_blocks - plans["relative"].num_blocks
-    assert gave_up == pytest.approx(extra / (block * (1 + QuestPolicy().kv_overhead(36, 256))), abs=1)
-    assert "decode_scratch 0.08" in plans["relative"].memory.describe()
+    overhead = QuestPolicy().kv_overhead(36, plans["max"].block_size)
+    assert gave_up == pytest.approx(extra / (block * (1 + overhead)), abs=1)
+    assert "decode_scratch 0.16" in plans["relative"].memory.describe()
+    eager = cache_spec(EngineConfig(max_num_seqs=64, max_num_batched_tokens=8192, enforce_eager=True),
+                       model, QuestPolicy(), 2, CUDA)
+    assert eager.decode_scratch_bytes == 64 * 4 * pages * (8 + 32)                  # no graphs
     # Prefetch's selection (of prefetch x the budget's pages) runs beside a layer's own: in
     # one level both score every page; in two, the prefetch's candidates are 1.5x as many.
     shape = dict(num_heads=32, num_kv_heads=8, head_dim=128, rows=64, block_size=256)
@@ -125,6 +131,10 @@ def test_quest_scores_of_every_query_head_are_reserved_from_the_kv_cache():
     assert QuestPolicy().decode_scratch_bytes(max_context=MILLION, **shape) == two_level[65]
     assert QuestPolicy(prefetch=1.5).decode_scratch_bytes(max_context=MILLION, **shape) \
         == two_level[65] + two_level[97]
+    # Where two levels hold less than one level over group_above_pages pages (many query heads
+    # a KV head), a step under that many pages, which selects in one level, sets the figure.
+    wide = dict(num_heads=64, num_kv_heads=1, head_dim=128, rows=1, block_size=256)
+    assert QuestPolicy().decode_scratch_bytes(max_context=MILLION, **wide) == 4 * 16384 * 65
     # A context the budget covers never selects: nothing to reserve.
     assert QuestPolicy().decode_scratch_bytes(num_heads=32, num_kv_heads=8, head_dim=128, rows=64,
                                               max_context=4096, block_size=256) == 0

@@ -17,7 +17,7 @@ from astream.eval.plot import (missing_matplotlib_message, plotting_available, w
                                write_heatmap)
 from astream.eval.progress import ProgressBar
 from astream.eval.report import RESULTS_FILE, ResultsFile, load_results, write_summary
-from astream.eval.runner import CellResult, TrialResult, check_configs, run_configs
+from astream.eval.runner import CellResult, TrialResult, check_configs, configured_policies, run_configs
 from astream.eval.spec import EvalConfig
 from astream.eval.tokenizer import engine_tokenizer_option, load_tokenizer
 from astream.eval.trials import Trial, build_trials
@@ -60,7 +60,7 @@ async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[E
     """Build the plan's prompts once and run them under each configuration (default: one, from
     `engine_kwargs`). With `out_dir`, write results.jsonl, summary.json and the plots there.
     With `resume`, a cell that out_dir's results.jsonl already holds for a configuration (every
-    trial of it, on the same prompts) is kept, not run again; new cells are appended to the
+    trial of it, on the same prompts, under the same resolved sparse policy) is kept, not run again; new cells are appended to the
     file, and the summary covers both (throughput only the cells this run timed)."""
     engine_kwargs = dict(engine_kwargs or {})
     configs = list(configs) if configs else [config_from_options(engine_kwargs)]
@@ -72,7 +72,8 @@ async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[E
     trials = build_trials(tokenizer, plan.tasks, plan.lengths, plan.depths, plan.trials, plan.seed)
     path = out_dir / RESULTS_FILE if out_dir is not None else None
     earlier = resume and path.is_file()
-    kept = finished_cells(path, trials, configs) if earlier else []
+    kept = (finished_cells(path, trials, configured_policies(model, configs, engine_kwargs))
+            if earlier else [])
     done = {(c.config, c.task, c.length, c.depth) for c in kept}
     pending = {config.name: [t for t in trials if (config.name, *t.cell) not in done]
                for config in configs}
@@ -94,19 +95,20 @@ async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[E
     return run
 
 
-def finished_cells(path: Path, trials: Sequence[Trial], configs: Sequence[EvalConfig]) -> list[CellResult]:
+def finished_cells(path: Path, trials: Sequence[Trial], policies: dict[str, str]) -> list[CellResult]:
     """The cells of an earlier run's results.jsonl that hold every trial the plan has for
-    them, on the same prompts, under one of `configs` (their rows restricted to the plan's)."""
+    them, on the same prompts, under one of the configurations `policies` names and the
+    policy it resolves to (their rows restricted to the plan's)."""
     wanted: dict[tuple, set] = {}
     for trial in trials:
         wanted.setdefault(trial.cell, set()).add((trial.index, trial.prompt_sha1))
-    names = {config.name for config in configs}
     finished = []
-    for cell in load_results([path]):
+    for cell in load_results([path], one_policy=False):      # rows of other policies are dropped
         want = wanted.get((cell.task, cell.length, cell.depth))
-        if cell.config not in names or want is None:
+        if cell.config not in policies or want is None:
             continue
-        cell.results = [r for r in cell.results if (r.trial.index, r.trial.prompt_sha1) in want]
+        cell.results = [r for r in cell.results if (r.trial.index, r.trial.prompt_sha1) in want
+                        and r.policy == policies[cell.config]]
         if {(r.trial.index, r.trial.prompt_sha1) for r in cell.results} == want:
             finished.append(cell)
     return finished

@@ -61,7 +61,7 @@ def trial_row(result: TrialResult) -> dict:
             "expected": list(trial.expected), "answer": result.answer, "found": list(result.found),
             "score": result.score, "correct": result.correct,
             "generated_tokens": result.generated_tokens, "finish_reason": result.finish_reason,
-            "error": result.error}
+            "error": result.error, "policy": result.policy}
 
 
 @dataclass(slots=True)
@@ -97,11 +97,12 @@ class RecordedTrial:
     needle_depth: float
 
 
-def load_results(paths: Iterable[Path]) -> list[CellResult]:
+def load_results(paths: Iterable[Path], *, one_policy: bool = True) -> list[CellResult]:
     """The cells of results.jsonl files (each path a run's folder or the file itself), in the
     order their rows first appear. A trial that a later row repeats (same configuration,
-    cell, trial number and prompt) takes the later row. ValueError names a missing file or
-    a line that is not a trial row."""
+    cell, trial number and prompt) takes the later row. ValueError names a missing file, a
+    line that is not a trial row, or (with `one_policy`) a configuration whose rows ran
+    different sparse policies (rows that do not record theirs count as one more)."""
     trials: dict[tuple, TrialResult] = {}
     for path in paths:
         file = path / RESULTS_FILE if path.is_dir() else path
@@ -117,6 +118,14 @@ def load_results(paths: Iterable[Path]) -> list[CellResult]:
             trial = result.trial
             trials[(result.config, trial.task, trial.length, trial.depth, trial.index,
                     trial.prompt_sha1)] = result
+    policies: dict[str, set] = {}
+    for result in trials.values():
+        policies.setdefault(result.config, set()).add(result.policy)
+    for config, seen in policies.items():
+        if one_policy and len(seen) > 1:
+            named = "; ".join(sorted(p or "not recorded" for p in seen))
+            raise ValueError(f"configuration {config!r} has rows of different sparse policies "
+                             f"({named}): give them different names (the rows' \"config\")")
     cells: dict[tuple, CellResult] = {}
     for result in trials.values():
         trial = result.trial
@@ -131,7 +140,7 @@ def _trial_result(row: dict) -> TrialResult:
                           tuple(row["expected"]), float(row["needle_depth"]))
     return TrialResult(str(row["config"]), trial, row["answer"], tuple(row["found"]),
                        float(row["score"]), bool(row["correct"]), int(row["generated_tokens"]),
-                       row["finish_reason"], row["error"])
+                       row["finish_reason"], row["error"], policy=row.get("policy"))
 
 
 def write_summary(cells: Sequence[CellResult], out_dir: Path) -> Path:

@@ -8,11 +8,13 @@ from typing import Callable, Mapping, Sequence
 
 import anyio
 
+from astream.base.config import EngineConfig
 from astream.base.sampling import SamplingParams
 from astream.engine.engine import Engine
 from astream.eval.scoring import accuracy, score
 from astream.eval.spec import EvalConfig
 from astream.eval.trials import Trial, group_cells
+from astream.policies import make_policy
 
 
 @dataclass(slots=True)
@@ -27,6 +29,7 @@ class TrialResult:
     finish_reason: str | None = None
     error: str | None = None
     first_token_at: float | None = None     # perf_counter() when its first token arrived
+    policy: str | None = None               # resolved_policy of its engine (None: not recorded)
 
 
 @dataclass(slots=True)
@@ -60,6 +63,20 @@ class CellResult:
 
 TrialHook = Callable[[TrialResult], None]
 CellHook = Callable[[CellResult], None]
+
+
+def resolved_policy(config: EngineConfig) -> str:
+    """The sparse policy an engine of `config` runs, every parameter spelled out (its repr).
+    A results row records it, so rows under one configuration name that ran different
+    policies (another default, another version) are told apart."""
+    return repr(make_policy(config.sparse_policy, config.sparse_budget))
+
+
+def configured_policies(model: str | None, configs: Sequence[EvalConfig],
+                        engine_kwargs: dict) -> dict[str, str]:
+    """Each configuration's `resolved_policy`, from its options (no engine is built)."""
+    return {config.name: resolved_policy(Engine.check_options(
+        model, **{**engine_kwargs, **config.engine_kwargs})) for config in configs}
 
 
 def check_configs(model: str | None, configs: Sequence[EvalConfig], engine_kwargs: dict) -> None:
@@ -113,7 +130,9 @@ async def run_cell(engine: Engine, trials: Sequence[Trial], config: str = "defau
                    on_trial: TrialHook | None = None) -> CellResult:
     """The trials of one cell, submitted together so the engine batches them."""
     task, length, depth = trials[0].cell
-    cell = CellResult(config, task, length, depth, [TrialResult(config, t) for t in trials])
+    policy = resolved_policy(engine.config)
+    cell = CellResult(config, task, length, depth,
+                      [TrialResult(config, t, policy=policy) for t in trials])
     failures: list[BaseException] = []
     before = engine.stats()
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from astream.base.config import EngineConfig
-from astream.executor.build import graph_sampling_rows
+from astream.executor.build import captures_graphs, graph_sampling_rows, max_graph_batch
 from astream.kvcache.kv_format import KVFormat
 from astream.kvcache.sizing import CachePlan, CacheSpec, plan_cache
 from astream.models.config import ModelConfig
@@ -40,11 +40,7 @@ def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
     return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
                        _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers,
                        graph_sampling_rows(config, device, rank), key_layers,
-                       policy.decode_scratch_bytes(
-                           num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                           head_dim=model.head_dim, rows=config.max_num_seqs,
-                           max_context=config.max_model_len or model.max_position_embeddings,
-                           block_size=config.block_size))
+                       _decode_scratch_bytes(policy, model, config, device))
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
@@ -56,6 +52,22 @@ def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: Engin
     layers = model.num_layers - len(policy.offload_device_layers(model.num_layers))
     per_token = model.kv_bytes_per_token // model.num_layers * element_size
     return tokens * config.max_num_seqs * layers * per_token
+
+
+def _decode_scratch_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
+                          device: torch.device) -> int:
+    """What the policy's decode selection holds at once, for max_num_seqs rows of up to
+    max_model_len tokens (the model's context where unset: the plan may shrink that later).
+    Where decode steps are captured, the graphs' pool keeps the captured batch's for good
+    and an eager step (a prefill beside decodes) allocates its own: both count."""
+    def scratch(rows: int) -> int:
+        return policy.decode_scratch_bytes(
+            num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            rows=rows, max_context=config.max_model_len or model.max_position_embeddings,
+            block_size=config.block_size)
+
+    captured = scratch(max_graph_batch(config)) if captures_graphs(config, device) else 0
+    return scratch(config.max_num_seqs) + captured
 
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,

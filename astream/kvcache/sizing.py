@@ -321,7 +321,8 @@ def _plan_offload(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device
                          f"device data takes {metadata_bytes / _MiB:.0f} MiB (Quest's dense layers "
                          "stay on the device, and with keys_on_device every other layer's keys) "
                          f"and its decode buffers {cfg.device_reserve_bytes / _MiB:.0f} "
-                         "MiB (Quest's reuse_pages); lower max_num_batched_tokens, max_num_seqs, "
+                         f"MiB (Quest's reuse_pages) and scratch {cfg.decode_scratch_bytes / _MiB:.0f} "
+                         "MiB (its selection's scores); lower max_num_batched_tokens, max_num_seqs, "
                          "offload_ring_slots, the host pool, the policy's dense layers or budget, or "
                          "raise gpu_memory_utilization")
     return OffloadPlan(slots, int(slot_blocks), staging_blocks)

@@ -321,8 +321,8 @@ def select_decode_pages_triton(q: Tensor, kmin: Tensor, kmax: Tensor, block_tabl
     )
     if in_kernel is None:                       # "relative": less each head's best, then the max
         per_head = scores.view(batch, kv_heads, group, -1)
-        # In place: the per-query-head buffer is the largest the selection makes (the memory
-        # plan counts it, QuestPolicy.decode_scratch_bytes), so no second one beside it.
+        # In place: no second per-query-head buffer beside this one (the memory plan counts
+        # one, QuestPolicy.decode_scratch_bytes).
         scores = per_head.sub_(per_head.amax(dim=-1, keepdim=True)).amax(dim=2)
     phys_arg = phys if physical else indices            # unread placeholder
     counters_arg = counters if counters is not None else counts

@@ -131,23 +131,26 @@ class QuestPolicy(SparsePolicy):
         """The largest tensors a selection holds at once, float32: the scores of every page
         (or group of pages) per KV head, and per query head as well with "relative"; in two
         levels also each query head's scores of the candidate pages and their gathered
-        bounds (a bf16 and a float32 copy of both). With `prefetch`, the predicted query's
-        selection of `prefetch_pages` runs on its own stream beside a layer's own."""
+        bounds (a 2-byte and a float32 copy of both). A step whose contexts stay under
+        `group_above_pages` selects in one level even where max_context would take two, so
+        the larger of both counts. With `prefetch`, the predicted query's selection of
+        `prefetch_pages` runs on its own stream beside a layer's own."""
         if max_context <= self.budget_tokens:
             return 0
         pages = -(-max_context // self.page_size)
-        two_level = self.keeps_groups(block_size) and pages > self.group_above_pages
         scored = num_kv_heads + (num_heads if self.gqa_reduce == "relative" else 0)
-        bounds = 2 * num_kv_heads * head_dim * (2 + 4)
+        two_levels = self.keeps_groups(block_size) and pages > self.group_above_pages
+        one_level = 4 * rows * (min(pages, self.group_above_pages) if two_levels else pages) * scored
 
         def selection(budget_pages: int) -> int:
-            if not two_level:
-                return 4 * rows * pages * scored
+            if not two_levels:
+                return one_level
             candidates = group_budget(budget_pages, self.group_pages, self.group_factor) \
                 * self.group_pages
             groups = -(-pages // self.group_pages)
-            return (4 * rows * (groups * scored + candidates * 3 * num_heads)
-                    + rows * candidates * bounds)
+            bounds = rows * candidates * 2 * num_kv_heads * head_dim * (2 + 4)
+            two_level = 4 * rows * (groups * scored + candidates * 3 * num_heads) + bounds
+            return max(one_level, two_level)
 
         return selection(self.budget_pages) + (selection(self.prefetch_pages) if self.prefetch else 0)
 
