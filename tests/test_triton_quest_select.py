@@ -226,3 +226,53 @@ def test_triton_selection_on_gpu_matches_reference():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_grouped_selection_on_gpu_matches_reference():
     assert check_triton_grouped("cuda") == 2 * len(quest.GQA_REDUCTIONS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("reduce", ["max", "relative"])
+# One level; one level at its limit under a plan for two; two levels.
+@pytest.mark.parametrize("context", [131072, 262144, 393216])
+def test_a_selection_allocates_no_more_than_the_memory_plan_reserves(reduce, context):
+    """What a decode step's selection allocates on the GPU beyond its outputs stays within
+    QuestPolicy.decode_scratch_bytes, in one level and in two, for the policy's own
+    settings (the engine's path: QuestRuntime._select's calls)."""
+    from astream.ops.quest_select import select_decode_pages
+    from astream.policies import QuestPolicy
+    policy = QuestPolicy(gqa_reduce=reduce)
+    heads, kv_heads, dim, rows, block = 32, 8, 128, 4, 256
+    planned_context = max(context, 393216 if context == 262144 else 0)
+    gen = torch.Generator(device="cuda").manual_seed(context)
+    blocks = rows * (-(-context // block)) + 1
+    kmin, kmax = quest.allocate_page_bounds(blocks, block, kv_heads, dim, dtype=bf16, device="cuda")
+    gmin, gmax = quest.allocate_page_bounds(blocks, block, kv_heads, dim, dtype=bf16, device="cuda",
+                                            page_size=16 * policy.group_pages)
+    keys = torch.randn(blocks * block, kv_heads, dim, device="cuda", generator=gen).to(bf16)
+    slots = torch.arange(blocks * block, device="cuda")
+    quest.update_page_bounds(kmin, kmax, keys, slots, 16)
+    quest.update_page_bounds(gmin, gmax, keys, slots, 16 * policy.group_pages)
+    del keys, slots
+    per_row = -(-context // block)
+    tables = torch.arange(rows * per_row, device="cuda", dtype=torch.int32).view(rows, per_row)
+    lens = torch.full((rows,), per_row * block - block, device="cuda", dtype=torch.int32)
+    q = torch.randn(rows, heads, dim, device="cuda", generator=gen).to(bf16)
+    max_pages = context // 16
+    kw = dict(max_pages=max_pages, block_size=block, page_size=16, budget_pages=policy.budget_pages,
+              sink_pages=1, recent_pages=1, gqa_reduce=reduce, append_newest=True, physical=True)
+    two_levels = max_pages > policy.group_above_pages
+    for _ in range(2):                                       # the second call: Triton compiled
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        if two_levels:
+            chosen = select_decode_pages_grouped(q, kmin, kmax, gmin, gmax, tables, lens,
+                                                 group_pages=policy.group_pages,
+                                                 group_factor=policy.group_factor, **kw)
+        else:
+            chosen = select_decode_pages(q, kmin, kmax, tables, lens, **kw)
+        torch.cuda.synchronize()
+        outputs = sum(t.numel() * t.element_size() for t in chosen if t is not None)
+        scratch = torch.cuda.max_memory_allocated() - before - outputs
+        del chosen
+    planned = policy.decode_scratch_bytes(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                                          rows=rows, max_context=planned_context, block_size=block)
+    assert 0 < scratch <= planned, (scratch, planned)
