@@ -639,16 +639,11 @@ def astream_flexprefill_blocks(policy, q: torch.Tensor, k: torch.Tensor, scale: 
     block, n = policy.block_size, q.shape[0]
     assert chunk % block == 0, "a chunk is whole blocks"
     chunk = chunk or n
-    max_blocks = None if policy.max_budget is None else fp_ops.block_budget(policy.max_budget, block)
     pairs = [set() for _ in range(q.shape[1])]
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
-        est = fp_ops.last_block_estimate(q[c0:c1], k[:c1], block=block, scale=scale)
-        qa_scores = fp_ops.query_aware_scores(q[c0:c1], k[:c1], block=block, scale=scale)
-        mask, aware = fp_ops.select_blocks(
-            est, qa_scores, gamma=policy.gamma, tau=policy.tau,
-            min_blocks=fp_ops.block_budget(policy.min_budget, block), max_blocks=max_blocks,
-            n_q=c1 - c0, n_k=c1, block=block)
+        est, qa_scores = policy.estimate(q[c0:c1], k[:c1], scale)
+        mask, aware = policy.select(est, qa_scores, c1 - c0, c1)
         for h, rows in enumerate(mask.cpu()):
             pairs[h] |= {(i + c0 // block, j) for i, j in rows.nonzero().tolist()}
     return {"pairs": pairs, "aware": aware.cpu().tolist(),
