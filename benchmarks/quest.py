@@ -315,6 +315,11 @@ def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = 
         core.runner.graphs = None
 
 
+def model_dtype(o) -> str:
+    """The engines' model dtype: float32 on the CPU (exact comparisons), bf16 on CUDA."""
+    return "float32" if o.device == "cpu" else "bfloat16"
+
+
 def ms(times: list[float]) -> list[float]:
     return [round(t * 1e3, 3) for t in times]
 
@@ -399,7 +404,7 @@ def speed_cases(o):
     planned = max((b for b in budgets if b != FULL), default=FULL)
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
                 tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
-                dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=4,
+                dtype=model_dtype(o), max_num_seqs=4,
                 max_model_len=max_pos,
                 sparse_policy=QuestPolicy(budget_tokens=planned, dense_layers=0 if smoke else 2,
                                           reuse_pages=o.reuse_pages, prefetch=max(prefetches),
@@ -970,7 +975,7 @@ def locality_cases(o):
             config = EngineConfig(
                 model=model, tokenizer=o.tokenizer or (None if natural else smollm2()),
                 load_format="dummy" if shape else "auto", device=o.device,
-                dtype="float32" if o.device == "cpu" else "bfloat16",
+                dtype=model_dtype(o),
                 max_model_len=max(contexts) + o.steps + 8, enforce_eager=True, max_num_seqs=4,
                 max_num_batched_tokens=8192,
                 sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=0 if o.smoke else 2))
@@ -1008,7 +1013,7 @@ def profile_cases(o):
     shape = "tiny" if o.smoke else "qwen3-4b"
     config = EngineConfig(model=str(shaped_model(shape, max_positions=ctx + 1024)),
                           load_format="dummy", tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
-                          dtype="float32" if o.device == "cpu" else "bfloat16", max_num_seqs=1,
+                          dtype=model_dtype(o), max_num_seqs=1,
                           max_model_len=ctx + 1024, offload=o.offload, enforce_eager=o.eager,
                           sparse_policy=QuestPolicy(budget_tokens=o.budget,
                                                     dense_layers=0 if o.smoke else 2),
@@ -1054,7 +1059,7 @@ def reuse_row(o, model: str, ctx: int, **engine) -> dict:
     row: dict = {"info": {}}
     for reuse in (False, True):
         config = EngineConfig(
-            model=model, **engine, device=o.device, dtype="float32" if o.device == "cpu" else "bfloat16",
+            model=model, **engine, device=o.device, dtype=model_dtype(o),
             offload=True, max_num_seqs=1, max_model_len=ctx + 4 * o.steps + 64,
             max_num_batched_tokens=8192,
             sparse_policy=QuestPolicy(budget_tokens=o.budget, dense_layers=0 if o.smoke else 2,
@@ -1126,7 +1131,7 @@ def filled_config(o, kv: str, ctx: int, batch: int, budget: int, tokenizer: str)
     # The tiny shape's 64-token blocks hold one group of 4 pages: every path is on.
     return EngineConfig(
         model=str(shaped_model(o.shape, max_positions=ctx)), load_format="dummy",
-        tokenizer=tokenizer, device=o.device, dtype="float32" if o.device == "cpu" else "bfloat16",
+        tokenizer=tokenizer, device=o.device, dtype=model_dtype(o),
         offload=True, kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx,
         max_num_batched_tokens=16384, enforce_eager=o.eager,
         sparse_policy=QuestPolicy(budget_tokens=budget, dense_layers=1 if o.smoke else 2,
@@ -1227,7 +1232,7 @@ def prefetch_cases(o):
                 config = EngineConfig(
                     model=str(shaped_model(shape, max_positions=ctx + o.steps + 64)),
                     load_format="dummy", tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
-                    dtype="float32" if o.device == "cpu" else "bfloat16", offload=True,
+                    dtype=model_dtype(o), offload=True,
                     kv_cache_dtype=kv, max_num_seqs=batch, max_model_len=ctx + o.steps + 64,
                     max_num_batched_tokens=16384, enforce_eager=o.eager,
                     sparse_policy=QuestPolicy(budget_tokens=o.budget, dense_layers=0 if o.smoke else 2,
@@ -1358,10 +1363,8 @@ def offload_row(o, kv: str, ctx: int, limits: tuple[float, float]) -> dict:
 
 
 def agreement_dtype(o) -> str:
-    """The model's dtype of an `agreement` run: --dtype, or float32 on the CPU and bf16 on CUDA."""
-    if o.dtype != "auto":
-        return o.dtype
-    return "float32" if o.device == "cpu" else "bfloat16"
+    """The model's dtype of an `agreement` offload run: --dtype, or `model_dtype`."""
+    return model_dtype(o) if o.dtype == "auto" else o.dtype
 
 
 def agreement_cases(o):
@@ -1371,8 +1374,7 @@ def agreement_cases(o):
             raise SystemExit(f"--checks: {check!r} is not one of {', '.join(AGREEMENT_CONTEXTS)}")
         # float32 (the CPU's; `offload` takes --dtype, `covering` the filled engine's): no
         # parting is a near tie there, and logprobs agree to rounding.
-        dtype = agreement_dtype(o) if check == "offload" else ("float32" if o.device == "cpu"
-                                                                else "bfloat16")
+        dtype = agreement_dtype(o) if check == "offload" else model_dtype(o)
         limits = (-math.inf, EXACT_DRIFT) if dtype == "float32" else (o.tie, math.inf)
         contexts = ([int(c) for c in o.ctx.split(",")] if o.ctx
                     else [(AGREEMENT_SMOKE_CONTEXTS if o.smoke else AGREEMENT_CONTEXTS)[check]])

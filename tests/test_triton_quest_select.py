@@ -234,43 +234,34 @@ def test_triton_grouped_selection_on_gpu_matches_reference():
 @pytest.mark.parametrize("context", [131072, 262144, 393216])
 def test_a_selection_allocates_no_more_than_the_memory_plan_reserves(reduce, context):
     """What a decode step's selection allocates on the GPU beyond its outputs stays within
-    QuestPolicy.decode_scratch_bytes, in one level and in two, for the policy's own
-    settings (the engine's path: QuestRuntime._select's calls)."""
-    from astream.ops.quest_select import select_decode_pages
+    QuestPolicy.decode_scratch_bytes, in one level and in two: the bound runtime's own
+    select_decode, as the executor calls it."""
     from astream.policies import QuestPolicy
-    policy = QuestPolicy(gqa_reduce=reduce)
+    from astream.policies.base import DecodeQuery, KVLayout
+    policy = QuestPolicy(gqa_reduce=reduce, dense_layers=0)
     heads, kv_heads, dim, rows, block = 32, 8, 128, 4, 256
     planned_context = max(context, 393216 if context == 262144 else 0)
-    gen = torch.Generator(device="cuda").manual_seed(context)
-    blocks = rows * (-(-context // block)) + 1
-    kmin, kmax = quest.allocate_page_bounds(blocks, block, kv_heads, dim, dtype=bf16, device="cuda")
-    gmin, gmax = quest.allocate_page_bounds(blocks, block, kv_heads, dim, dtype=bf16, device="cuda",
-                                            page_size=16 * policy.group_pages)
-    keys = torch.randn(blocks * block, kv_heads, dim, device="cuda", generator=gen).to(bf16)
-    slots = torch.arange(blocks * block, device="cuda")
-    quest.update_page_bounds(kmin, kmax, keys, slots, 16)
-    quest.update_page_bounds(gmin, gmax, keys, slots, 16 * policy.group_pages)
-    del keys, slots
     per_row = -(-context // block)
-    tables = torch.arange(rows * per_row, device="cuda", dtype=torch.int32).view(rows, per_row)
-    lens = torch.full((rows,), per_row * block - block, device="cuda", dtype=torch.int32)
-    q = torch.randn(rows, heads, dim, device="cuda", generator=gen).to(bf16)
-    max_pages = context // 16
-    kw = dict(max_pages=max_pages, block_size=block, page_size=16, budget_pages=policy.budget_pages,
-              sink_pages=1, recent_pages=1, gqa_reduce=reduce, append_newest=True, physical=True)
-    two_levels = max_pages > policy.group_above_pages
+    blocks = rows * per_row + 1
+    layout = KVLayout(1, heads, kv_heads, dim, blocks, block, bf16, torch.device("cuda"), False,
+                      bf16, max_num_seqs=rows)
+    runtime = policy.bind(layout)
+    gen = torch.Generator(device="cuda").manual_seed(context)
+    keys = torch.randn(blocks * block, kv_heads, dim, device="cuda", generator=gen).to(bf16)
+    runtime.on_kv_written(0, keys, torch.arange(blocks * block, device="cuda"))
+    del keys
+    query = DecodeQuery(
+        q=torch.randn(rows, heads, dim, device="cuda", generator=gen).to(bf16),
+        block_tables=torch.arange(rows * per_row, device="cuda", dtype=torch.int32).view(rows, per_row),
+        context_lens=torch.full((rows,), per_row * block - block, device="cuda", dtype=torch.int32),
+        max_context=context, append_newest=True, physical=True)
     for _ in range(2):                                       # the second call: Triton compiled
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        if two_levels:
-            chosen = select_decode_pages_grouped(q, kmin, kmax, gmin, gmax, tables, lens,
-                                                 group_pages=policy.group_pages,
-                                                 group_factor=policy.group_factor, **kw)
-        else:
-            chosen = select_decode_pages(q, kmin, kmax, tables, lens, **kw)
+        chosen = runtime.select_decode(0, query)
         torch.cuda.synchronize()
-        outputs = sum(t.numel() * t.element_size() for t in chosen if t is not None)
+        outputs = sum(t.numel() * t.element_size() for t in (chosen.indices, chosen.counts, chosen.physical))
         scratch = torch.cuda.max_memory_allocated() - before - outputs
         del chosen
     planned = policy.decode_scratch_bytes(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,

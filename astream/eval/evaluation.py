@@ -17,7 +17,7 @@ from astream.eval.plot import (missing_matplotlib_message, plotting_available, w
                                write_heatmap)
 from astream.eval.progress import ProgressBar
 from astream.eval.report import RESULTS_FILE, ResultsFile, load_results, write_summary
-from astream.eval.runner import CellResult, TrialResult, check_configs, configured_policies, run_configs
+from astream.eval.runner import CellResult, TrialResult, check_configs, run_configs
 from astream.eval.spec import EvalConfig
 from astream.eval.tokenizer import engine_tokenizer_option, load_tokenizer
 from astream.eval.trials import Trial, build_trials
@@ -60,11 +60,12 @@ async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[E
     """Build the plan's prompts once and run them under each configuration (default: one, from
     `engine_kwargs`). With `out_dir`, write results.jsonl, summary.json and the plots there.
     With `resume`, a cell that out_dir's results.jsonl already holds for a configuration (every
-    trial of it, on the same prompts, under the same resolved sparse policy) is kept, not run again; new cells are appended to the
-    file, and the summary covers both (throughput only the cells this run timed)."""
+    trial of it, on the same prompts, under the same resolved sparse policy) is kept, not run
+    again; new cells are appended to the file, and the summary covers both (throughput only
+    the cells this run timed)."""
     engine_kwargs = dict(engine_kwargs or {})
     configs = list(configs) if configs else [config_from_options(engine_kwargs)]
-    check_configs(model, configs, engine_kwargs)
+    policies = check_configs(model, configs, engine_kwargs)
     if resume and out_dir is None:
         raise ValueError("resume needs the folder of the run to resume (--out)")
     if tokenizer is None:
@@ -72,8 +73,7 @@ async def run_eval(plan: EvalPlan, model: str | None = None, configs: Sequence[E
     trials = build_trials(tokenizer, plan.tasks, plan.lengths, plan.depths, plan.trials, plan.seed)
     path = out_dir / RESULTS_FILE if out_dir is not None else None
     earlier = resume and path.is_file()
-    kept = (finished_cells(path, trials, configured_policies(model, configs, engine_kwargs))
-            if earlier else [])
+    kept = finished_cells(path, trials, policies) if earlier else []
     done = {(c.config, c.task, c.length, c.depth) for c in kept}
     pending = {config.name: [t for t in trials if (config.name, *t.cell) not in done]
                for config in configs}

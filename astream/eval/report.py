@@ -118,20 +118,26 @@ def load_results(paths: Iterable[Path], *, one_policy: bool = True) -> list[Cell
             trial = result.trial
             trials[(result.config, trial.task, trial.length, trial.depth, trial.index,
                     trial.prompt_sha1)] = result
-    policies: dict[str, set] = {}
-    for result in trials.values():
-        policies.setdefault(result.config, set()).add(result.policy)
-    for config, seen in policies.items():
-        if one_policy and len(seen) > 1:
-            named = "; ".join(sorted(p or "not recorded" for p in seen))
-            raise ValueError(f"configuration {config!r} has rows of different sparse policies "
-                             f"({named}): give them different names (the rows' \"config\")")
+    if one_policy:
+        _check_one_policy_each(trials.values())
     cells: dict[tuple, CellResult] = {}
     for result in trials.values():
         trial = result.trial
         key = (result.config, trial.task, trial.length, trial.depth)
         cells.setdefault(key, CellResult(*key)).results.append(result)
     return list(cells.values())
+
+
+def _check_one_policy_each(results: Iterable[TrialResult]) -> None:
+    """ValueError naming a configuration whose rows ran different sparse policies."""
+    policies: dict[str, set] = {}
+    for result in results:
+        policies.setdefault(result.config, set()).add(result.policy)
+    for config, seen in policies.items():
+        if len(seen) > 1:
+            named = "; ".join(sorted(p or "not recorded" for p in seen))
+            raise ValueError(f"configuration {config!r} has rows of different sparse policies "
+                             f"({named}): give them different names (the rows' \"config\")")
 
 
 def _trial_result(row: dict) -> TrialResult:

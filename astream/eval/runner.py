@@ -72,20 +72,17 @@ def resolved_policy(config: EngineConfig) -> str:
     return repr(make_policy(config.sparse_policy, config.sparse_budget))
 
 
-def configured_policies(model: str | None, configs: Sequence[EvalConfig],
-                        engine_kwargs: dict) -> dict[str, str]:
-    """Each configuration's `resolved_policy`, from its options (no engine is built)."""
-    return {config.name: resolved_policy(Engine.check_options(
-        model, **{**engine_kwargs, **config.engine_kwargs})) for config in configs}
-
-
-def check_configs(model: str | None, configs: Sequence[EvalConfig], engine_kwargs: dict) -> None:
-    """Every configuration's engine options are valid: fail before any model loads."""
+def check_configs(model: str | None, configs: Sequence[EvalConfig], engine_kwargs: dict) -> dict[str, str]:
+    """Every configuration's engine options are valid: fail before any model loads. Returns
+    each configuration's `resolved_policy` (no engine is built)."""
+    policies = {}
     for config in configs:
         try:
-            Engine.check_options(model, **{**engine_kwargs, **config.engine_kwargs})
+            options = Engine.check_options(model, **{**engine_kwargs, **config.engine_kwargs})
         except (TypeError, ValueError) as exc:
             raise ValueError(f"configuration {config.name!r}: {exc}") from None
+        policies[config.name] = resolved_policy(options)
+    return policies
 
 
 async def run_configs(model: str | None, trials: Sequence[Trial], configs: Sequence[EvalConfig],
