@@ -177,6 +177,27 @@ def test_an_engine_on_the_cpu_plans_no_graph_sampling_and_builds_no_graphs(tiny_
         assert llm.core.plan.memory.graph_sampling == 0 and llm.core.runner.graphs is None
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_engine_plans_its_quest_selections_scratch(tiny_qwen3, offload):
+    """Through LLM, resident and offloaded: the plan holds what the bound policy says its
+    selection takes for max_num_seqs rows of max_model_len (the CPU captures no graph, so
+    once), more under "relative" than under "max", and nothing under Full."""
+    from astream import LLM
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=512, kv_block_size=16,
+              max_num_seqs=3, offload=offload)
+    found = {}
+    for name, policy in (("relative", QuestPolicy(budget_tokens=64)),
+                         ("max", QuestPolicy(budget_tokens=64, gqa_reduce="max")), ("full", "full")):
+        with LLM(str(tiny_qwen3), sparse_policy=policy, **kw) as llm:
+            model = llm.core.runner.decoder.config
+            found[name] = llm.core.plan.memory.decode_scratch
+        if name != "full":
+            assert found[name] == policy.decode_scratch_bytes(
+                num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                head_dim=model.head_dim, rows=3, max_context=512, block_size=16)
+    assert found["relative"] > found["max"] > found["full"] == 0
+
+
 def test_the_pool_stays_within_what_the_host_has():
     small = MemoryAvailable(80 * GiB, 80 * GiB, host=64 * GiB)
     with pytest.raises(ValueError, match="does not fit in the host KV pool"):
