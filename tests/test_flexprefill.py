@@ -335,14 +335,15 @@ def test_triton_kernel_on_flexprefill_masks_on_gpu_matches_reference():
 def test_policy_parameters_are_checked():
     for bad in (dict(gamma=0), dict(gamma=1.5), dict(gamma=True), dict(tau=-0.1), dict(tau="x"),
                 dict(block_size=48), dict(block_size=8), dict(min_budget=-1),
-                dict(min_budget=1024, max_budget=512), dict(max_budget=0)):
+                dict(min_budget=1024, max_budget=512), dict(max_budget=0), dict(chunk_tokens=-1),
+                dict(chunk_tokens=1.5)):
         with pytest.raises(ValueError, match="FlexPrefillPolicy"):
             FlexPrefillPolicy(**bad)
     with pytest.raises(ValueError, match="no budget"):
         make_policy("flexprefill", 1024)
     assert make_policy("flexprefill") == FlexPrefillPolicy(gamma=0.99, tau=0.1, min_budget=1024,
                                                            max_budget=None, block_size=128,
-                                                           dense_tail=128)
+                                                           dense_tail=128, chunk_tokens=32768)
     assert make_policy("flexprefill(gamma=0.9, tau=0.2, max_budget=8192)") == FlexPrefillPolicy(
         gamma=0.9, tau=0.2, max_budget=8192)
     combined = make_policy("flexprefill+quest", 512)

@@ -227,3 +227,29 @@ def test_every_device_field_of_the_memory_plan_counts_in_its_total():
     assert set(DEVICE_PARTS) == {f.name for f in fields(MemoryPlan)} - {"host_pool"}
     plan = MemoryPlan(**{name: 1 << i for i, name in enumerate(DEVICE_PARTS)}, host_pool=1 << 20)
     assert plan.device_total == (1 << len(DEVICE_PARTS)) - 1
+
+
+def test_flexprefill_asks_for_prefill_chunks_its_estimate_wants_where_none_are_set():
+    """FlexPrefill estimates each chunk from its last queries, so on CUDA an engine with
+    max_num_batched_tokens unset prefills in its `chunk_tokens` (up to max_model_len),
+    alone or combined with Quest; a set max_num_batched_tokens, chunk_tokens=0 and the CPU
+    keep theirs."""
+    from astream.policies import CombinedPolicy, FlexPrefillPolicy, FullPolicy
+    model = ModelConfig.from_hf({**QWEN3_4B, "max_position_embeddings": 131072})
+    weights = weight_bytes(model, torch.bfloat16)
+    available = MemoryAvailable(H100.device_free - weights, H100.device_total, H100.host)
+
+    def chunk(policy, device=CUDA, **engine) -> int:
+        config = EngineConfig(**{"max_num_seqs": 4, **engine})
+        return plan_cache(cache_spec(config, model, policy, 2, device), model, torch.bfloat16,
+                          device, torch.bfloat16, available).max_num_batched_tokens
+
+    flex = FlexPrefillPolicy()
+    assert chunk(FullPolicy()) == 8192 and chunk(FullPolicy(), offload=True) == 16384
+    assert chunk(flex) == chunk(flex, offload=True) == 32768
+    assert chunk(CombinedPolicy(flex, QuestPolicy())) == 32768
+    assert chunk(flex, max_model_len=20000) == 20000
+    assert chunk(FlexPrefillPolicy(chunk_tokens=65536)) == 65536
+    assert chunk(FlexPrefillPolicy(chunk_tokens=0)) == 8192
+    assert chunk(flex, max_num_batched_tokens=4096) == 4096
+    assert chunk(flex, device=CPU, cpu_kv_cache_gib=2.0, max_model_len=8192) == 2048

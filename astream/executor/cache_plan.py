@@ -34,13 +34,14 @@ def cache_spec(config: EngineConfig, model: ModelConfig, policy: SparsePolicy,
     rank `rank` (plan it with plan_cache): the policy's device metadata (kept in the cache's
     element type, per byte of KV), with offload the layers whose KV it keeps on the device as
     well and its decode buffers, what its decode selection holds at once, and the decode
-    graphs' sampling tables."""
+    graphs' sampling tables, and the prefill chunk its sparse prefill method asks for."""
     device_layers = len(policy.offload_device_layers(model.num_layers)) if config.offload else 0
     key_layers = len(policy.offload_key_layers(model.num_layers)) if config.offload else 0
     return _cache_spec(config, policy.kv_overhead(model.num_layers, config.block_size), policy.sparse_prefill,
                        _decode_buffer_bytes(policy, model, config, kv_element_size), device_layers,
                        graph_sampling_rows(config, device, rank), key_layers,
-                       _decode_scratch_bytes(policy, model, config, device))
+                       _decode_scratch_bytes(policy, model, config, device),
+                       policy.prefill_chunk_tokens())
 
 
 def _decode_buffer_bytes(policy: SparsePolicy, model: ModelConfig, config: EngineConfig,
@@ -72,7 +73,8 @@ def _decode_scratch_bytes(policy: SparsePolicy, model: ModelConfig, config: Engi
 
 def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool = False,
                 device_reserve_bytes: int = 0, device_layers: int = 0,
-                graph_rows: int = 0, key_layers: int = 0, decode_scratch_bytes: int = 0) -> CacheSpec:
+                graph_rows: int = 0, key_layers: int = 0, decode_scratch_bytes: int = 0,
+                prefill_chunk_tokens: int = 0) -> CacheSpec:
     """Under tensor parallelism each rank plans its own shard's cache: its share of
     `offload_host_gib`, and of this host's RAM with the other ranks that pin pools in it."""
     ranks = config.tensor_parallel_size
@@ -86,4 +88,5 @@ def _cache_spec(config: EngineConfig, kv_overhead: float, sparse_prefill: bool =
         kv_overhead=kv_overhead, device_layers=device_layers, device_key_layers=key_layers,
         whole_prefix=sparse_prefill and config.offload,
         device_reserve_bytes=device_reserve_bytes, decode_scratch_bytes=decode_scratch_bytes,
+        prefill_chunk_tokens=prefill_chunk_tokens,
         host_ranks=config.ranks_per_node, graph_sampling_rows=graph_rows)

@@ -54,6 +54,7 @@ class CacheSpec:
     whole_prefix: bool = False      # with offload: prefill loads a chunk's whole prefix per layer
     device_reserve_bytes: int = 0   # with offload: device buffers the policy keeps (page reuse)
     decode_scratch_bytes: int = 0   # transient: what a decode step's selection holds (Quest's scores)
+    prefill_chunk_tokens: int = 0   # the chunk the sparse prefill method estimates best in (0: any)
     host_ranks: int = 1             # with offload: processes pinning a pool in this host's RAM
     graph_sampling_rows: int = 0    # rows of the decode graphs' sampling tables (0: none kept)
 
@@ -147,7 +148,7 @@ def plan_cache(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: t
     check_max_model_len(cfg.max_model_len, model)
     block = cfg.block_size
     max_len = cfg.max_model_len or model.max_position_embeddings
-    budget = max(cfg.max_num_batched_tokens or _default_budget(cfg, device), cfg.max_num_seqs)
+    budget = max(cfg.max_num_batched_tokens or _default_budget(cfg, device, max_len), cfg.max_num_seqs)
     kv_dtype = kv_dtype or dtype
     block_bytes = model.kv_bytes_per_token * block * _element_size(kv_dtype)
     if cfg.offload:
@@ -251,10 +252,13 @@ def _fit_max_len(cfg: CacheSpec, blocks: int, block: int, max_len: int, where: s
     return capacity                    # derived, so shrink it to what fits
 
 
-def _default_budget(cfg: CacheSpec, device: torch.device) -> int:
+def _default_budget(cfg: CacheSpec, device: torch.device, max_len: int) -> int:
+    """max_num_batched_tokens where it is unset: small steps on the CPU; on CUDA 8192 tokens
+    (16384 with offload, whose ring loads pay off over larger chunks), or the chunk the
+    sparse prefill method asks for, up to max_len."""
     if device.type != "cuda":
         return 2048
-    return 16384 if cfg.offload else 8192
+    return max(16384 if cfg.offload else 8192, min(cfg.prefill_chunk_tokens, max_len))
 
 
 def _device_blocks(cfg: CacheSpec, model: ModelConfig, dtype: torch.dtype, device: torch.device,

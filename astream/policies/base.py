@@ -6,7 +6,8 @@ Ten concepts:
 1. `SparsePolicy`: a small frozen description of a method and its parameters
    (`QuestPolicy(budget_tokens=2048)`), with its `name` and the `phase` it makes sparse.
    Before the cache is sized, the engine asks it for memory: `kv_overhead`,
-   `decode_buffer_tokens`, `decode_scratch_bytes`, `offload_device_layers`.
+   `decode_buffer_tokens`, `decode_scratch_bytes`, `offload_device_layers`; and for the
+   prefill chunk its estimate wants, `prefill_chunk_tokens`.
 2. `KVLayout`: what the policy is bound to once, when an engine is built: the model's
    attention shape and the KV cache it reads (the host pool with offload).
 3. `PolicyRuntime`: what `bind(layout)` returns. It owns the method's device metadata and
@@ -221,6 +222,12 @@ class SparsePolicy:
         """Device bytes a decode step's selection holds at once (scores and the like), for
         `rows` rows of up to max_context tokens in blocks of block_size, with the heads of
         one rank: counted in the memory plan ("decode_scratch")."""
+        return 0
+
+    def prefill_chunk_tokens(self) -> int:
+        """The prefill chunk (tokens) a sparse prefill method estimates best in, for methods
+        that estimate a chunk from its own last queries: where max_num_batched_tokens is
+        unset, the engine's default chunk on CUDA grows to it (up to max_model_len). 0: any."""
         return 0
 
     def offload_device_layers(self, num_layers: int) -> tuple[int, ...]:

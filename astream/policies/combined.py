@@ -62,6 +62,9 @@ class CombinedPolicy(SparsePolicy):
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rows=rows,
             max_context=max_context, block_size=block_size)
 
+    def prefill_chunk_tokens(self) -> int:
+        return self.prefill.prefill_chunk_tokens()
+
     def bind(self, layout: KVLayout) -> "CombinedRuntime":
         prefill, decode = self.prefill.bind(layout), self.decode.bind(layout)
         traits = PolicyTraits(

@@ -2,8 +2,9 @@
 per head and per input.
 
 Each prefill chunk's attention (over its prefix and itself) is estimated from the chunk's
-last query block (a prompt prefilled in one chunk is estimated as the authors' code does;
-smaller chunks lose accuracy: docs/ENGINE.md). Per head, a query-aware pattern (block-mean queries against block-mean
+last query block. A prompt prefilled in one chunk is estimated as the authors' code does,
+from its end (the question); smaller chunks lose accuracy (docs/ENGINE.md), so where
+max_num_batched_tokens is unset the engine prefills in chunks of `chunk_tokens` on CUDA. Per head, a query-aware pattern (block-mean queries against block-mean
 keys) is used where that cheap estimate agrees with the head's true last-block attention
 (square-root Jensen-Shannon divergence below `tau`), else a vertical-slash pattern; either
 way the head keeps the fewest blocks whose estimated attention reaches `gamma`, with at
@@ -15,8 +16,9 @@ Decode stays Full (or Quest, combined). With offload, each chunk's prefix comes 
 device whole for this (see executor/offload_attention.py), so both paths select the same
 blocks.
 
-Defaults: gamma 0.99, tau 0.1, min_budget 1024 tokens, no max_budget, block 128, and the
-last 128 queries of each chunk read densely (`dense_tail`, policies/sparse_prefill.py).
+Defaults: gamma 0.99, tau 0.1, min_budget 1024 tokens, no max_budget, block 128, the
+last 128 queries of each chunk read densely (`dense_tail`, policies/sparse_prefill.py),
+and chunks of 32768 tokens (`chunk_tokens`; 0 leaves the engine's default).
 The paper and its code use tau 0.1 and block 128 everywhere, gamma 0.9 or 0.95 by model
 and a minimum budget of 1024 in their RULER and InfiniteBench runs (512 in the README's
 example). The higher gamma is taken because on Qwen2.5-Coder-0.5B at 16-32K gamma 0.95
@@ -59,11 +61,13 @@ class FlexPrefillPolicy(SparsePolicy):
     max_budget: int | None = None
     block_size: int = 128
     dense_tail: int = 128
+    chunk_tokens: int = 32768
     name = "flexprefill"
     phase = "prefill"
 
     def __post_init__(self) -> None:
         check_int("FlexPrefillPolicy", "dense_tail", self.dense_tail, 0)
+        check_int("FlexPrefillPolicy", "chunk_tokens", self.chunk_tokens, 0)
         for key in ("gamma", "tau"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -79,6 +83,9 @@ class FlexPrefillPolicy(SparsePolicy):
                              f"got {self.block_size}")
         if self.max_budget is not None:
             check_int("FlexPrefillPolicy", "max_budget", self.max_budget, max(1, self.min_budget))
+
+    def prefill_chunk_tokens(self) -> int:
+        return self.chunk_tokens
 
     def estimate(self, q: Tensor, k: Tensor, scale: float) -> tuple[ops.Estimate, Tensor]:
         """A chunk's last-block estimate and its query-aware block scores (both read the
