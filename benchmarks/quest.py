@@ -771,7 +771,7 @@ def scores_ref(data, max_pages: int):
     from astream.ops.quest_select import page_scores_ref, physical_page_ids
     q, kmin, kmax, tables, lens = data
     ids, num = physical_page_ids(tables, lens, max_pages=max_pages, block_size=SWEEP_BLOCK)
-    return page_scores_ref(q, kmin, kmax, ids, num)
+    return page_scores_ref(q, kmin, kmax, ids, num, gqa_reduce="max")
 
 
 def selected_inputs(data, budget: int, max_pages: int, triton: bool = True) -> tuple:

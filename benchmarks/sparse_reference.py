@@ -253,7 +253,7 @@ def astream_rule_per_query_head(q: torch.Tensor, k: torch.Tensor, t: int, budget
         q.unsqueeze(0), kmin, kmax, tables, torch.tensor([context], device=q.device),
         max_pages=n_pages, block_size=page_size, page_size=page_size,
         budget_pages=max(budget // page_size, sink + recent, 1), sink_pages=sink,
-        recent_pages=recent)
+        recent_pages=recent, gqa_reduce="max")
     indices, counts = chosen.indices[0].cpu(), chosen.counts[0].cpu()
     return [set(indices[h, :counts[h]].tolist()) for h in range(n_heads)]
 

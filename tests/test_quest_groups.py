@@ -109,7 +109,8 @@ def test_grouped_selection_keeps_most_of_the_top_pages_on_keys_with_structure():
     assert torch.equal(torch.stack(group_bounds(kmin, kmax, 4)), torch.stack((gmin, gmax)))
     tables = torch.arange(blocks, dtype=torch.int32).view(1, -1)
     lens = torch.tensor([tokens], dtype=torch.int32)
-    args = dict(max_pages=tokens // PAGE, block_size=BLOCK, page_size=PAGE, budget_pages=64)
+    args = dict(max_pages=tokens // PAGE, block_size=BLOCK, page_size=PAGE, budget_pages=64,
+                gqa_reduce="max")
     flat = select_decode_pages_ref(q, kmin, kmax, tables, lens, **args)
     recall = {}
     for factor in (1, 2, 4):
@@ -129,16 +130,16 @@ def test_groups_must_fit_a_block():
     with pytest.raises(ValueError, match="group_pages"):
         select_decode_pages_grouped(q, kmin, kmax, kmin, kmax, tables, lens, max_pages=16,
                                     block_size=BLOCK, page_size=PAGE, budget_pages=4,
-                                    group_pages=8, group_factor=1)
+                                    group_pages=8, group_factor=1, gqa_reduce="max")
 
 
 def test_scores_of_the_second_level_are_the_page_scores():
     """The candidates' scores are page_scores_ref's: with groups covering the context the
     picks are the top pages by those scores (the one-level reference's ranking)."""
     got, _, (q, kmin, kmax, tables, lens), args = both([1024], 8, 4, 64, seed=9, sink_pages=0,
-                                                       recent_pages=0)
+                                                       recent_pages=0, gqa_reduce="max")
     ids, num = physical_page_ids(tables, lens, max_pages=args["max_pages"], block_size=BLOCK)
-    scores = page_scores_ref(q, kmin, kmax, ids, num)
+    scores = page_scores_ref(q, kmin, kmax, ids, num, gqa_reduce="max")
     top = scores[0].topk(8, dim=-1).indices.sort(-1).values.int()
     assert torch.equal(got.indices[0], top)
 

@@ -164,7 +164,7 @@ def test_planted_needle_is_selected():
         quest.update_page_bounds(kmin, kmax, keys.bfloat16(), slots)
         lens = torch.tensor([n_pages * page], dtype=torch.int32)
         ids, num = physical_page_ids(tables, lens, max_pages=n_pages, block_size=block)
-        idx, counts = select_pages(page_scores_ref(q, kmin, kmax, ids, num), num, 4)
+        idx, counts = select_pages(page_scores_ref(q, kmin, kmax, ids, num, gqa_reduce="max"), num, 4)
         assert needle_page in idx[0, head // 4, :int(counts[0, head // 4])].tolist()
 
 
@@ -213,10 +213,10 @@ def test_fused_reference_is_the_steps_and_counts():
     q, kmin, kmax, tables, lens = fused_case([0, 64, 320, 800], seed=1)
     counters = torch.zeros(2, dtype=torch.int64)
     got = select_decode_pages_ref(q, kmin, kmax, tables, lens, max_pages=50, block_size=32,
-                                  page_size=16, budget_pages=6, append_newest=True,
-                                  physical=True, counters=counters)
+                                  page_size=16, budget_pages=6, gqa_reduce="max",
+                                  append_newest=True, physical=True, counters=counters)
     ids, num = physical_page_ids(tables, lens, max_pages=50, block_size=32)
-    picks, counts = select_pages(page_scores_ref(q, kmin, kmax, ids, num), num, 6)
+    picks, counts = select_pages(page_scores_ref(q, kmin, kmax, ids, num, gqa_reduce="max"), num, 6)
     want = with_newest_block(picks, counts, lens, 32, 16)
     assert torch.equal(got.indices, want[0]) and torch.equal(got.counts, want[1])
     assert counters.tolist() == [int(counts.sum()), 8]
@@ -230,8 +230,8 @@ def test_fused_op_dispatches_and_validates():
     q, kmin, kmax, tables, lens = fused_case([96], seed=2)
     kw = dict(max_pages=8, block_size=32, page_size=16)
     with pytest.raises(ValueError, match="budget_pages"):
-        select_decode_pages(q, kmin, kmax, tables, lens, budget_pages=1, **kw)
+        select_decode_pages(q, kmin, kmax, tables, lens, budget_pages=1, gqa_reduce="max", **kw)
     with pytest.raises(ValueError, match="gqa_reduce"):
         select_decode_pages(q, kmin, kmax, tables, lens, budget_pages=4, gqa_reduce="mean", **kw)
-    got = select_decode_pages(q, kmin, kmax, tables, lens, budget_pages=4, **kw)
+    got = select_decode_pages(q, kmin, kmax, tables, lens, budget_pages=4, gqa_reduce="max", **kw)
     assert got.physical is None and got.counts.tolist() == [[4, 4]]

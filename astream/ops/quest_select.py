@@ -37,7 +37,7 @@ class Selection(NamedTuple):
 def select_decode_pages(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables: Tensor,
                         context_lens: Tensor, *, max_pages: int, block_size: int,
                         page_size: int, budget_pages: int, sink_pages: int = 1,
-                        recent_pages: int = 1, gqa_reduce: str = "max",
+                        recent_pages: int = 1, gqa_reduce: str,
                         append_newest: bool = False, physical: bool = False,
                         counters: Tensor | None = None) -> Selection:
     """`select_decode_pages_ref`'s contract; two Triton kernels on CUDA."""
@@ -56,7 +56,7 @@ def select_decode_pages(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables: Ten
 def select_decode_pages_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_tables: Tensor,
                             context_lens: Tensor, *, max_pages: int, block_size: int,
                             page_size: int, budget_pages: int, sink_pages: int = 1,
-                            recent_pages: int = 1, gqa_reduce: str = "max",
+                            recent_pages: int = 1, gqa_reduce: str,
                             append_newest: bool = False, physical: bool = False,
                             counters: Tensor | None = None) -> Selection:
     """Pages each (sequence, KV head) of q [B, H, D] reads among the first
@@ -112,7 +112,7 @@ def physical_page_ids(block_tables: Tensor, context_lens: Tensor, *, max_pages: 
 
 
 def page_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, page_ids: Tensor, num_pages: Tensor,
-                    *, gqa_reduce: str = "max") -> Tensor:
+                    *, gqa_reduce: str) -> Tensor:
     """Quest criticality: q [B, H, D], bounds [pages, KVH, D], page_ids [B, P] (physical;
     entries at p >= num_pages[b] or < 0 are ignored) -> scores [B, KVH, P] float32.
 
@@ -206,7 +206,7 @@ def select_decode_pages_grouped(q: Tensor, kmin: Tensor, kmax: Tensor, gmin: Ten
                                 block_tables: Tensor, context_lens: Tensor, *, max_pages: int,
                                 block_size: int, page_size: int, group_pages: int,
                                 group_factor: int, budget_pages: int, sink_pages: int = 1,
-                                recent_pages: int = 1, gqa_reduce: str = "max",
+                                recent_pages: int = 1, gqa_reduce: str,
                                 append_newest: bool = False, physical: bool = False,
                                 counters: Tensor | None = None) -> Selection:
     """`select_decode_pages`'s contract, chosen in two levels. gmin, gmax [pages /
