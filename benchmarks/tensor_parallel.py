@@ -46,6 +46,13 @@ split's own gain, without the graphs').
   ran from the graphs, or where TP=2's temperature rows (sampled inside the graphs) do not
   finish. With --smoke, on the CPU, the graphs' static programs run eagerly on every rank.
 
+- `profile` (only when named in --sections): the throughput workload once more per repeat,
+  rank 0's CUDA kernels profiled over --profile-steps [40] steps from step --profile-from
+  [300] (decode steps of a full batch): `step_ms`, the steps' wall time each, and their
+  kernels' time a step by kind (`attention_ms`, `gemm_ms`, `all_reduce_ms`,
+  `logits_gather_ms` for the vocabulary shards' all-gather, `other_ms`; `busy_ms` their sum):
+  where a TP step's time goes.
+
 - `faults` (only when named in --sections): benchmarks/tp_faults.py's scenarios, each in a
   process of its own: a clean close without NCCL's watchdog trace, a rank killed during the
   decode graphs' capture and during decode (the engine names it within a minute, not after
@@ -60,6 +67,7 @@ TP to the smallest, against the goals: offloaded Full decode at <= 0.55x, Quest 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from functools import partial
 from typing import Iterator
 
@@ -84,12 +92,15 @@ LONG = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
 GOALS = {("offload", "step_ms"): ("<=", 0.55), ("quest", "step_ms"): ("<=", 0.6),
          ("throughput", "output_tok_s"): (">=", 1.7)}
 TABLE = {"decode": ("step_ms", "pipelined_step_ms"), "throughput": ("output_tok_s",),
+         "profile": ("step_ms", "busy_ms", "attention_ms", "gemm_ms", "all_reduce_ms",
+                     "logits_gather_ms", "other_ms"),
          "offload": ("step_ms", "link_gb_s"), "quest": ("step_ms", "pipelined_step_ms", "link_gb_s")}
 
 DEFAULTS = dict(decode="32768x4", offload="131072x4,131072x1", quest="131072x1", steps=16,
-                offload_steps=4, num=256, budget=4096, dense_layers=2)
+                offload_steps=4, num=256, budget=4096, dense_layers=2, profile_from=300,
+                profile_steps=40)
 SMOKE = dict(decode="128x2", offload="192x2,192x1", quest="256x1", steps=3, offload_steps=2,
-             num=6, budget=64, dense_layers=0)
+             num=6, budget=64, dense_layers=0, profile_from=2, profile_steps=3)
 
 
 def add_arguments(parser) -> None:
@@ -105,6 +116,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", type=int, default=None, help="quest: tokens read per KV head [4096]")
     parser.add_argument("--dense-layers", type=int, default=None,
                         help="quest: first layers that read whole contexts [2]")
+    parser.add_argument("--profile-from", type=int, default=None,
+                        help="profile: the first step profiled [300]")
+    parser.add_argument("--profile-steps", type=int, default=None, help="profile: steps profiled [40]")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs at any TP size")
     parser.add_argument("--shape", default=None, help="a shape of common.SHAPES [qwen3-8b]")
     parser.add_argument("--tokenizer", default=None, help="a tokenizer (default: SmolLM2's)")
@@ -120,9 +134,9 @@ def cases(options) -> Iterator[tuple[dict, object]]:
             setattr(options, key, value)
     options.shape = options.shape or ("tiny" if options.smoke else "qwen3-8b")
     sections = [s for s in options.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS) - {"check", "faults"}
+    unknown = set(sections) - set(SECTIONS) - {"check", "faults", "profile"}
     if unknown:
-        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from check, faults, "
+        raise SystemExit(f"unknown sections {sorted(unknown)}: choose from check, faults, profile, "
                          f"{', '.join(SECTIONS)}")
     sizes = [int(t) for t in options.tp.split(",")]
     for section in sections:
@@ -255,14 +269,78 @@ def throughput_row(llm: LLM, work: list[tuple[list[int], int]]) -> dict:
             "info": {key: run[key] for key in ("seconds", "output_tokens", "steps", "preemptions")}}
 
 
-def throughput_cases(o, tp: int):
+@contextmanager
+def throughput_engine(o, tp: int) -> Iterator[tuple[LLM, list[tuple[list[int], int]]]]:
+    """throughput.py's engine (max_model_len 2112, 256 sequences, the default prefill chunks;
+    prefix caching off), warmed up, and its workload."""
     work = random_workload(o.num, 10, 40, 5, 20) if o.smoke else \
         random_workload(o.num, 100, 1024, 100, 1024)
-    # throughput.py's engine: max_model_len 2112, 256 sequences, the default prefill chunks
     with LLM(**engine_options(o, tp, [(2112 - MARGIN, 256)], enable_prefix_caching=False)) as llm:
         llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=8, ignore_eos=True))   # warm-up
+        yield llm, work
+
+
+def throughput_cases(o, tp: int):
+    with throughput_engine(o, tp) as (llm, work):
         yield ({"section": "throughput", "tp": tp, "requests": len(work)},
                partial(throughput_row, llm, work))
+
+
+# ---------------------------------------------------------------- profile
+
+# A kernel's kind, by the first of these its name holds (cuBLAS's GEMMs are nvjet_* on Hopper;
+# on the CPU, with --smoke, the ops of gloo and ATen).
+KERNEL_KINDS = (("all_reduce", ("AllReduce", "allreduce")),
+                ("logits_gather", ("AllGather", "allgather", "all_gather")),
+                ("attention", ("_decode", "_selected_split", "_prefill", "flash", "fmha",
+                               "attention")),
+                ("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce", "aten::mm", "aten::addmm")))
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in name for m in marks)), "other")
+
+
+def profile_row(llm: LLM, work: list[tuple[list[int], int]], first: int, steps: int) -> dict:
+    """The workload once, rank 0's CUDA kernels (on the CPU: its ops) profiled over `steps`
+    steps from step `first`."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    warmup = 2
+    marks: list[float] = []
+    cuda = torch.cuda.is_available()
+    profiler = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU],
+                       schedule=schedule(wait=first, warmup=warmup, active=steps, repeat=1))
+    process = EngineCore.process
+
+    def stepped(core, output):
+        delivered = process(core, output)
+        marks.append(time.perf_counter())
+        profiler.step()
+        return delivered
+
+    EngineCore.process = stepped
+    try:
+        with profiler:
+            astream_run(llm, work)
+    finally:
+        EngineCore.process = process
+    start = first + warmup - 1                  # marks[start]: the step before the first profiled
+    if len(marks) <= start + steps:
+        raise SystemExit(f"profile: the workload ran {len(marks)} steps, fewer than "
+                         f"--profile-from + --profile-steps + {warmup}")
+    kinds = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for event in profiler.key_averages():
+        self_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+        kinds[kernel_kind(event.key)] += self_us / 1e3 / steps
+    figures = {f"{kind}_ms": [round(ms, 4)] for kind, ms in kinds.items()}
+    return {"step_ms": [round((marks[start + steps] - marks[start]) * 1e3 / steps, 4)],
+            "busy_ms": [round(sum(kinds.values()), 4)], **figures}
+
+
+def profile_cases(o, tp: int):
+    with throughput_engine(o, tp) as (llm, work):
+        yield ({"section": "profile", "tp": tp, "requests": len(work)},
+               partial(profile_row, llm, work, o.profile_from, o.profile_steps))
 
 
 # ---------------------------------------------------------------- check
@@ -352,7 +430,7 @@ def check_row(o, shape: str, mode: str) -> dict:
                      "tp2_graphs": two["graphs"], "tp1_eager": one["eager"]}}
 
 
-SECTION_CASES = {"decode": decode_cases, "throughput": throughput_cases,
+SECTION_CASES = {"decode": decode_cases, "throughput": throughput_cases, "profile": profile_cases,
                  "offload": offload_cases, "quest": quest_cases}
 
 

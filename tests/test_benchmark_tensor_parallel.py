@@ -75,3 +75,24 @@ def test_the_check_compares_graphs_with_eager_and_one_rank(tmp_path, capsys):
         assert row["figures"]["graph_steps_tp2"]["median"] > 0
         assert row["info"]["tp2_graphs_vs_tp2_eager"]["identical"] == 2
     assert "ratio = TP=2" not in capsys.readouterr().out
+
+
+def test_the_profile_section_splits_rank_0s_step_time_by_kernel_kind(tmp_path):
+    import run
+    from tensor_parallel import kernel_kind
+    out = tmp_path / "profile.json"
+    assert run.main(["tensor_parallel", "--smoke", "--sections", "profile", "--num", "3",
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["params"]["section"], r["params"]["tp"]) for r in rows] == [("profile", 1), ("profile", 2)]
+    for row in rows:
+        figures = {name: f["median"] for name, f in row["figures"].items()}
+        assert figures["step_ms"] > 0
+        kinds = sum(figures[f"{k}_ms"] for k in ("attention", "gemm", "all_reduce", "logits_gather", "other"))
+        assert abs(figures["busy_ms"] - kinds) < 1e-3
+    assert [kernel_kind(name) for name in (
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+        "_decode_split_kernel", "_selected_split_kernel", "nvjet_sm90_tst_192x112_64x5_1x2_h_bz_TNT",
+        "_add_rms_norm_kernel")] == ["all_reduce", "logits_gather", "attention", "attention", "gemm",
+                                     "other"]

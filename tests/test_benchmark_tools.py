@@ -1,7 +1,8 @@
 """Helpers of the benchmarks: the copy/compute overlap figure of benchmarks/offload.py on
 synthetic traces, the quest benchmark's locality count and pipelined steps, and every
 section of the quest benchmark and the GQA recall benchmark run through the harness
-(benchmarks/run.py) with --smoke, and the step timing of benchmarks/loop_hold.py."""
+(benchmarks/run.py) with --smoke, the step timing of benchmarks/loop_hold.py, and the two
+ways of page_gather.py agreeing."""
 
 from __future__ import annotations
 
@@ -311,3 +312,19 @@ def test_loop_hold_times_every_chunk_of_a_long_prompt_and_its_token_arrives():
     for row in rows:
         assert 0 < row["layer_ms_max"] <= row["hold_ms"] <= row["launch_ms"] + row["prepare_ms"]
         assert row["stretches"] >= 2                 # the tiny model's layers, then the sampler
+
+
+@pytest.mark.parametrize("page_size", [16, 8])
+def test_page_gather_reads_the_same_attention_both_ways(page_size, tmp_path):
+    """Gathered then attended, or attended in place from the host pool: the same output and
+    log-sum-exp, with pages of a whole block and of half one."""
+    import run
+    out = tmp_path / "page_gather.json"
+    assert run.main(["page_gather", "--smoke", "--kv-heads", "2,1", "--page-size", str(page_size),
+                     "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["params"]["kv_heads"] for row in rows] == [2, 1]
+    for row in rows:
+        assert row["info"]["ok"] and row["info"]["out_diff"] == 0 and row["info"]["lse_diff"] == 0
+        assert row["figures"]["gathered_us"]["median"] > 0
+        assert row["figures"]["in_place_us"]["median"] > 0

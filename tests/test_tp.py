@@ -453,8 +453,10 @@ class _WholeModelRank:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        return logits[:, :vocab_size]
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        whole = logits[:, :vocab_size].float()
+        return whole if out is None else out.copy_(whole)
 
 
 def _one_follower() -> tuple[workers.WorkerGroup, object]:

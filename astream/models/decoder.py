@@ -148,7 +148,7 @@ class Decoder:
         takes part and every rank gets the whole vocabulary."""
         logits = F.linear(hidden, self.weights.lm_head)
         if self.tp is not None:
-            logits = self.tp.gather_vocab(logits.float(), self.config.vocab_size)
+            return self.tp.gather_vocab(logits, self.config.vocab_size, out)
         if out is not None:
             return out.copy_(logits)
         return logits.float()

@@ -163,15 +163,25 @@ class TensorParallel:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """[T, shard] logits of every rank -> [T, vocab_size] on every rank."""
-        if logits.shape[0] == 0:
-            return logits.new_empty((0, vocab_size))
-        # One output tensor, not a list: no staging buffer and copies inside a CUDA graph.
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, shard] logits of every rank, in the LM head's dtype -> float32 [T, vocab_size]
+        on every rank (into `out` if given). They cross the ranks in the head's dtype, half
+        the bytes of float32, and widen on the copy that puts each shard in its columns:
+        the same values as widening first."""
         rows, shard = logits.shape
-        parts = logits.new_empty((self.size * rows, shard))
-        _gather_into(parts, logits.contiguous(), group=self.group)
-        return parts.view(self.size, rows, shard).permute(1, 0, 2).reshape(rows, -1)[:, :vocab_size]
+        if out is None:
+            out = logits.new_empty((rows, vocab_size), dtype=torch.float32)
+        if rows == 0:
+            return out
+        # One output tensor, not a list: no staging buffer and copies inside a CUDA graph.
+        parts = logits.new_empty((self.size, rows, shard))
+        _gather_into(parts.view(-1, shard), logits.contiguous(), group=self.group)
+        for rank in range(self.size):
+            start = rank * shard
+            width = min(shard, vocab_size - start)
+            out[:, start:start + width].copy_(parts[rank, :, :width])
+        return out
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         if tensor.numel():
