@@ -16,12 +16,13 @@ Each row checks that both ways give the same attention output and log-sum-exp.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
 
-from astream.ops.pages import gather_pages, paged_decode_selected
+from quest import graph_us, wall_us  # noqa: I001
+from astream.executor.offload_attention import gathered_view
+from astream.ops.pages import gather_pages, paged_decode_selected, physical_pages
 from astream.runtime.pinned import PinnedHostTensor
 
 HEAD_DIM, GROUP, BLOCK = 128, 4, 16
@@ -59,14 +60,13 @@ def read_row(o, kv_heads: int) -> dict:
         per_block = BLOCK // o.page_size
         chosen = torch.stack([torch.randperm(blocks * per_block, generator=gen)[:pages].sort().values
                               for _ in range(kv_heads)]).view(1, kv_heads, pages).to(device)
-        physical = tables[0].long()[chosen // per_block] * per_block + chosen % per_block
+        physical = physical_pages(chosen, tables, BLOCK, o.page_size)
         counts = torch.full((1, kv_heads), pages, dtype=torch.int32, device=device)
         q = torch.randn(1, kv_heads * GROUP, HEAD_DIM, device=device, dtype=dtype)
         gathered = [torch.empty(1, kv_heads, pages * o.page_size, HEAD_DIM, device=device, dtype=dtype)
                     for _ in range(2)]
-        own_block = torch.zeros(1, 1, dtype=torch.int32, device=device)
-        in_order = torch.arange(pages, dtype=torch.int32, device=device).expand(1, kv_heads, pages)
-        every_token = torch.full((1,), pages * o.page_size, dtype=torch.int32, device=device)
+        own_block, in_order, every_token = gathered_view(1, kv_heads, pages, pages * o.page_size,
+                                                         device)
         lens = torch.full((1,), o.context, dtype=torch.int32, device=device)
         scale = HEAD_DIM ** -0.5
 
@@ -87,7 +87,7 @@ def read_row(o, kv_heads: int) -> dict:
         read_bytes = 2 * kv_heads * pages * o.page_size * HEAD_DIM * dtype.itemsize
         figures: dict = {}
         for name, fn in (("gathered", gather_then_attend), ("in_place", attend_in_place)):
-            us = per_layer_us(fn, o.layers, device)
+            us = graph_us(fn, REPLAYS, o.layers) if device.type == "cuda" else wall_us(fn, REPLAYS)
             figures[f"{name}_us"] = us
             figures[f"{name}_gb_s"] = [round(read_bytes / t / 1e3, 2) for t in us]
         return {**figures, "info": {"ok": out_diff < 1e-2 and lse_diff < 1e-3,
@@ -96,36 +96,3 @@ def read_row(o, kv_heads: int) -> dict:
     finally:
         pool.release()
 
-
-def per_layer_us(fn, layers: int, device: torch.device) -> list[float]:
-    """Microseconds a call, from `layers` calls in a row: on CUDA captured in one graph and
-    replayed REPLAYS times; on the CPU timed eagerly."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(REPLAYS):
-            start = time.perf_counter()
-            for _ in range(layers):
-                fn()
-            times.append((time.perf_counter() - start) / layers * 1e6)
-        return [round(t, 2) for t in times]
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / layers * 1e3)
-    del graph
-    return [round(t, 2) for t in times]

@@ -722,15 +722,16 @@ def call_ref(data, budget_pages: int, max_pages: int):
         append_newest=True, physical=True)
 
 
-def graph_us(fn, reps: int) -> list[float]:
-    """Microseconds a call: `reps` replays of a CUDA graph of 20 calls, each divided by 20."""
+def graph_us(fn, reps: int, calls: int = 20) -> list[float]:
+    """Microseconds a call: `reps` replays of a CUDA graph of `calls` calls, each divided by
+    `calls`."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(20):
+        for _ in range(calls):
             fn()
-    return [round(t * 1e3 / 20, 2) for t in cuda_times_ms(graph.replay, reps)]
+    return [round(t * 1e3 / calls, 2) for t in cuda_times_ms(graph.replay, reps)]
 
 
 def wall_us(fn, reps: int) -> list[float]:

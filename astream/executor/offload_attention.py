@@ -160,7 +160,7 @@ class OffloadAttention:
             dk, dv, slot_list = reused
         tokens = dk.shape[2]                    # a buffer may hold more slots than pages picked
         if tokens not in self.gathered_views:   # the same shapes on the sparse layers of a step
-            self.gathered_views[tokens] = _gathered_view(rows, heads, picked, tokens, q.device)
+            self.gathered_views[tokens] = gathered_view(rows, heads, picked, tokens, q.device)
         own_block, in_order, every_token = self.gathered_views[tokens]
         page_list = in_order if reused is None else slot_list
         part = self.backends.paged_decode_selected(
@@ -200,7 +200,7 @@ def whole_prefill_loads(engine: OffloadEngine, plan: OffloadStepPlan,
     return engine.context_loads(context.prefix_runs, layers, context.num_keys) if layers else None
 
 
-def _gathered_view(rows: int, heads: int, picked: int, tokens: int,
+def gathered_view(rows: int, heads: int, picked: int, tokens: int,
                    device: torch.device) -> tuple[torch.Tensor, ...]:
     """Gathered pages as a cache of one "block" of `tokens` per row, read through its own
     page list: (block table, page lists, context lengths)."""
