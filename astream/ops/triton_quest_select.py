@@ -62,8 +62,9 @@ def _update_bounds_kernel(
         lo = tl.full([D_PAD], float("inf"), tl.float32)
         hi = tl.full([D_PAD], float("-inf"), tl.float32)
         # ROWS at a time: a group of pages (Quest's two-level selection) is a page of
-        # hundreds of tokens.
-        for first in range(0, PAGE, ROWS):
+        # hundreds of tokens. Only rows up to the last new token can share the page: a
+        # decode step's single row takes one pass, not PAGE / ROWS masked ones.
+        for first in range(0, tl.minimum(PAGE, n_tokens - t), ROWS):
             rows = t + first + tl.arange(0, ROWS)
             in_range = rows < n_tokens
             row_slots = tl.load(slots_ptr + rows, mask=in_range, other=0).to(tl.int64)
