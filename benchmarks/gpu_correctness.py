@@ -34,7 +34,8 @@ REFERENCE = RESULTS / "cpu_reference_smollm2.json"
 # Quest with a budget the prompts outgrow, in pages of 8 tokens: the offloaded part of a
 # context (its full 16-token blocks, at most 32 tokens here) still has pages to leave out.
 # Resident, offload from CUDA graphs, offload eager, offload keeping pages between steps,
-# offload loading pages a layer ahead (from graphs and eager).
+# offload loading pages a layer ahead (from graphs and eager), and reading only those pages
+# (late_fetch=False, from graphs and eager).
 QUEST = {"kv_block_size": 16, "sparse_policy": QuestPolicy(budget_tokens=24, page_size=8)}
 QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
                   "offload_quest_eager": {"offload": True, "enforce_eager": True},
@@ -46,7 +47,13 @@ QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
                       "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], prefetch=1.5)},
                   "offload_quest_prefetch_eager": {
                       "offload": True, "enforce_eager": True,
-                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], prefetch=1.5)}}
+                      "sparse_policy": dataclasses.replace(QUEST["sparse_policy"], prefetch=1.5)},
+                  "offload_quest_predicted_graphs": {
+                      "offload": True, "sparse_policy": dataclasses.replace(
+                          QUEST["sparse_policy"], prefetch=1.5, late_fetch=False)},
+                  "offload_quest_predicted_eager": {
+                      "offload": True, "enforce_eager": True, "sparse_policy": dataclasses.replace(
+                          QUEST["sparse_policy"], prefetch=1.5, late_fetch=False)}}
 DENSE_VARIANTS = {"offload16_graphs": {"offload": True, "kv_block_size": 16},
                   "offload16_eager": {"offload": True, "kv_block_size": 16, "enforce_eager": True}}
 

@@ -21,6 +21,9 @@ Sections (the section's own options after its name; defaults in brackets):
   reference,triton (in turn); --dense-graphs auto|never (offload Full: a chain of graphs,
   or the eager ring); --reuse-pages; --prefetch 0,1.5 (offload: Quest's prefetch values, in
   turn for each budget; `late_bytes_per_step` is what the layers still gathered themselves);
+  --late-fetch on,off (offload: Quest's `late_fetch` in turn for each prefetch value but 0,
+  which always fetches; off reads the predicted pages only, and nothing loads in a layer's
+  path);
   --keys-on-device (offload: Quest's `keys_on_device`, the selecting layers' keys kept on the
   device, so the gathered bytes, which count only what crosses PCIe, are the values');
   --eager (no CUDA graphs); --tokenizer DIR.
@@ -223,6 +226,9 @@ def add_arguments(parser) -> None:
                              f"[the policy's default, {QuestPolicy().gqa_reduce}]")
     parser.add_argument("--prefetch", default="0",
                         help="speed, offload: Quest prefetch values in turn, e.g. 0,1,1.5")
+    parser.add_argument("--late-fetch", default="on",
+                        help="speed, offload, with --prefetch: Quest's late_fetch in turn, e.g. "
+                             "on,off (off: layers read the predicted pages only)")
     parser.add_argument("--keys-on-device", action="store_true",
                         help="speed, filled: offloaded engines keep the selecting layers' keys on "
                              "the device (QuestPolicy keys_on_device)")
@@ -356,7 +362,8 @@ def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
 
 def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: int,
                        kernel_sets: list[str], dense_graphs: str, prefetches: tuple[float, ...] = (0,),
-                       reductions: tuple[str, ...] = (QuestPolicy().gqa_reduce,)):
+                       reductions: tuple[str, ...] = (QuestPolicy().gqa_reduce,),
+                       late_fetches: tuple[bool, ...] = (True,)):
     with engine_core(config) as core:
         kv = core.stats()["kv_cache_dtype"]
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -373,14 +380,20 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
             for kernels in kernel_sets or [core.runner.decoder.kernels.name]:
                 for budget in budgets:
                     sparse = budget != FULL
-                    for prefetch, reduce in itertools.product(prefetches if sparse else (0,),
-                                                              reductions if sparse else ("-",)):
+                    variants = [(prefetch, reduce, late_fetch) for prefetch, reduce in
+                                itertools.product(prefetches if sparse else (0,),
+                                                  reductions if sparse else ("-",))
+                                # Without a prefetch there is no prediction to read instead.
+                                for late_fetch in (late_fetches if prefetch else (True,))]
+                    for prefetch, reduce, late_fetch in variants:
                         set_budget(core, budget, kernels, dense_graphs, prefetch=prefetch,
+                                   late_fetch=late_fetch,
                                    **({"gqa_reduce": reduce} if sparse else {}))
                         decode_steps(core, 2)                    # warm-up (and Triton compiles)
                         yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
                                 "budget": "full" if budget == FULL else budget,
-                                "prefetch": prefetch, "gqa_reduce": reduce,
+                                "prefetch": prefetch, "late_fetch": late_fetch,
+                                "gqa_reduce": reduce,
                                 "keys_on_device": keeps_device_keys(core),
                                 "layer_kernels": kernels,
                                 "dense_graphs": dense_graphs},
@@ -401,6 +414,7 @@ def speed_cases(o):
     # them between runs).
     prefetches = tuple(float(p) for p in o.prefetch.split(","))
     reductions = tuple(o.gqa_reduce.split(","))
+    late_fetches = tuple({"on": True, "off": False}[v] for v in o.late_fetch.split(","))
     planned = max((b for b in budgets if b != FULL), default=FULL)
     base = dict(model=str(shaped_model(shape, max_positions=max_pos)), load_format="dummy",
                 tokenizer=o.tokenizer or synthetic_tokenizer(), device=o.device,
@@ -434,7 +448,8 @@ def speed_cases(o):
             offload_budgets = [b for b in budgets if b != FULL or "offload_full" not in skip]
             for dense in o.dense_graphs.split(","):
                 yield from engine_speed_cases(cfg, "offload", offload_cases, offload_budgets, o.steps,
-                                              kernel_sets, dense, prefetches, reductions)
+                                              kernel_sets, dense, prefetches, reductions,
+                                              late_fetches)
 
 
 def summarize(result: dict) -> None:
@@ -448,7 +463,7 @@ def summarize(result: dict) -> None:
             for r in rows if r["params"]["mode"] == "resident" and r["params"]["budget"] == "full"
             and r["params"]["kv"] == first}
     print(f"\nmedian ms and x resident Full ({first})")
-    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'ahead':>6}{'gqa':>9}"
+    print(f"{'mode':<9}{'kernels':>10}{'kv':>14}{'ctx':>8}{'batch':>6}{'budget':>7}{'ahead':>7}{'gqa':>9}"
           f"{'sync':>10}{'x Full':>8}{'pipelined':>11}{'x Full':>8}{'late MB':>9}")
     for r in rows:
         p, f = r["params"], r["figures"]
@@ -460,8 +475,10 @@ def summarize(result: dict) -> None:
             cells += f"{median:>{width}.2f}{ratio:>8}"
         late = f.get("late_bytes_per_step", {}).get("median", 0) / 1e6
         print(f"{p['mode']:<9}{p['layer_kernels']:>10}{p['kv']:>14}{p['context']:>8}"
-              f"{p['batch']:>6}{str(p['budget']):>7}{p.get('prefetch', 0):>6}"
+              f"{p['batch']:>6}{str(p['budget']):>7}"
+              f"{str(p.get('prefetch', 0)) + ('' if p.get('late_fetch', True) else '*'):>7}"
               f"{p.get('gqa_reduce', '-'):>9}{cells}{late:>9.1f}")
+    print("ahead: Quest's prefetch (x the budget); *: with late_fetch off (the predicted pages only)")
 
 
 # ---------------------------------------------------------------- kernels, against torch

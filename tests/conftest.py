@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from astream.models.loader import DEFAULT_MODEL_FILE, DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_PACKAGE
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Under pytest-xdist each worker gets its share of the cores: torch's intra-op threads
+    # from two workers on two cores would contend and make both slower than one.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 PROMPTS = [
     "The quick brown fox",

@@ -97,7 +97,7 @@ def test_pipelined_steps_time_each_step_and_lose_no_token(tmp_path):
 # Smaller than --smoke's own shapes where a section builds engines, to keep the test short.
 SMOKE_SECTIONS = {
     "speed": ["--cases", "256x1", "--budgets", "full,64", "--steps", "2", "--prefetch", "0,1.5",
-              "--keys-on-device"],
+              "--late-fetch", "on,off", "--keys-on-device"],
     "kernels": [],
     "kernel_sweep": [],
     "layouts": [],

@@ -24,9 +24,10 @@ PROMPTS = [LONG, "The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 33, 20, 7)]
 
 
-def quest(dense_layers: int = 2, reuse_pages: bool = False, prefetch: float = 0) -> QuestPolicy:
+def quest(dense_layers: int = 2, reuse_pages: bool = False, prefetch: float = 0,
+          late_fetch: bool = True) -> QuestPolicy:
     return QuestPolicy(budget_tokens=128, dense_layers=dense_layers, reuse_pages=reuse_pages,
-                       prefetch=prefetch)
+                       prefetch=prefetch, late_fetch=late_fetch)
 
 
 def with_static_graphs(llm: LLM, max_batch: int) -> OffloadDecodeGraphs:
@@ -67,18 +68,21 @@ def test_static_decode_steps_give_the_eager_offload_tokens(dense_layers, reuse_p
 def test_a_covering_budget_with_prefetch_gives_full_offloads_tokens():
     """Static steps select on every offloaded layer whatever the context (the captured
     shape's longest context exceeds the budget); a budget that covers every sequence then
-    picks every page, a layer early or late, and the tokens are Full offload's."""
+    picks every page, a layer early or late, and the tokens are Full offload's. Without
+    late_fetch the layers read the prediction's pages (every page too) and load none."""
     with LLM(**KW) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    policy = QuestPolicy(budget_tokens=1024, dense_layers=2, prefetch=1)
-    with LLM(**KW, sparse_policy=policy) as llm:
-        graphs = with_static_graphs(llm, max_batch=4)
-        got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-        stats = llm.stats()
-    assert graphs.steps >= 38 and sum(stats["quest_selections"]) > 0
-    early = sum(stats["quest_pages_loaded"]) - sum(stats["quest_pages_loaded_late"])
-    assert early > 0 and sum(stats["quest_pages_loaded_late"]) < early
-    assert got == want
+    for late_fetch in (True, False):
+        policy = QuestPolicy(budget_tokens=1024, dense_layers=2, prefetch=1, late_fetch=late_fetch)
+        with LLM(**KW, sparse_policy=policy) as llm:
+            graphs = with_static_graphs(llm, max_batch=4)
+            got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
+            stats = llm.stats()
+        assert graphs.steps >= 38 and sum(stats["quest_selections"]) > 0
+        late = sum(stats["quest_pages_loaded_late"])
+        early = sum(stats["quest_pages_loaded"]) - late
+        assert early > 0 and (late < early if late_fetch else late == 0)
+        assert got == want
 
 
 def test_static_steps_pad_a_batch_to_a_captured_size():

@@ -89,8 +89,8 @@ def check_triton_plan(device: str) -> int:
     A case with more slots than its width alternates, as Quest's prefetch does, plans as
     wide as the slots (the prediction) with plans of the width (the layer's own choice)."""
     from astream.ops.triton_page_reuse import plan_reuse_triton
-    cases = [(3, 2, 6, 12, 30, 6), (2, 4, 40, 120, 12, 40), (1, 8, 272, 2048, 6, 272),
-             (4, 1, 300, 400, 6, 300), (2, 3, 20, 90, 16, 30), (1, 8, 256, 2048, 8, 384)]
+    cases = [(3, 2, 6, 12, 30, 6), (2, 4, 40, 120, 12, 40), (1, 2, 272, 2048, 6, 272),
+             (4, 1, 300, 400, 6, 300), (2, 3, 20, 90, 16, 30), (1, 2, 256, 2048, 8, 384)]
     for seed, (rows, heads, width, pages, steps, slots) in enumerate(cases):
         held = torch.full((rows, heads, slots), -1, dtype=torch.int64)
         owner = torch.full((rows, heads), -1, dtype=torch.int64)

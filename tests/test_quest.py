@@ -153,7 +153,7 @@ def test_keys_on_the_device_give_plain_quests_tokens_and_only_values_come_from_t
     results, sources, sent = {}, [], set()
     gather, to_host = offload_engine.gather_pages, offload_engine.OffloadEngine._copy_to_host
     monkeypatch.setattr(offload_engine, "gather_pages",
-                        lambda k, v, *rest: (sources.append((k, v)), gather(k, v, *rest))[1])
+                        lambda k, v, *rest, **kw: (sources.append((k, v)), gather(k, v, *rest, **kw))[1])
 
     def copy_to_host(engine, layer, run, k, v):
         sent.update((layer, block) for block in range(run.dst, run.dst + run.count))
@@ -206,6 +206,29 @@ def test_a_wrong_prediction_costs_loads_never_tokens(monkeypatch):
             want = tokens
     assert tokens == want
     assert late[True] > late[False]
+
+
+def test_without_late_fetch_layers_read_the_predicted_pages_and_load_nothing_themselves(full_tokens):
+    """late_fetch=False: each sparse layer reads the pages its early query chose a layer
+    ahead (prefetch x budget of them) and neither selects nor loads any itself. A prediction
+    as wide as the context reads every page, and gives Full's tokens."""
+    def run(prefetch: float):
+        with LLM(**KW, offload=True, sparse_policy=QuestPolicy(
+                budget_tokens=128, dense_layers=2, prefetch=prefetch, late_fetch=False)) as llm:
+            return llm.generate([LONG], GREEDY)[0].token_ids, llm.stats()
+
+    for prefetch in (1, 8):
+        tokens, stats = run(prefetch)
+        read, rows = stats["quest_pages_read"], stats["quest_selections"]
+        assert stats["quest_pages_loaded_late"] == [0] * 30
+        assert rows[:2] == [0, 0] and all(r > 0 for r in rows[2:])
+        if prefetch == 1:               # the prediction's 8 pages of 16 tokens, not more
+            assert all(p == 8 * r for p, r in zip(read[2:], rows[2:]))
+        else:                           # 64 pages asked of a context of ~44 full pages
+            assert all(p > 40 * r for p, r in zip(read[2:], rows[2:]))
+            assert tokens == full_tokens[0]
+    with pytest.raises(ValueError, match="late_fetch=False .* needs prefetch"):
+        QuestPolicy(late_fetch=False)
 
 
 def test_page_buffers_are_counted_in_the_device_plan():
@@ -328,7 +351,8 @@ def test_bad_policy_options_are_named(kwargs, message):
 
 
 @pytest.mark.parametrize("bad", [dict(page_size=12), dict(budget_tokens=0), dict(gqa_reduce="mean"),
-                                 dict(dense_layers=-1), dict(reuse_pages="yes")])
+                                 dict(dense_layers=-1), dict(reuse_pages="yes"),
+                                 dict(late_fetch=0, prefetch=1)])
 def test_quest_parameters_are_checked(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         QuestPolicy(**bad)

@@ -108,10 +108,12 @@ GATHER_CASES = ((0, True, False, False, None), (1, False, False, False, None),
 
 
 def check_triton_gather(device: str) -> int:
-    """The gather kernel against the reference, bit for bit; returns the cases checked."""
+    """The gather kernel against the reference, bit for bit, with a program a page and with
+    three programs walking the pages four at a time; returns the cases checked."""
     from astream.ops import triton_pages
     n = 0
-    for seed, with_counts, fp8, to_pages, slots in GATHER_CASES:
+    for (seed, with_counts, fp8, to_pages, slots), (programs, at_once) in itertools.product(
+            GATHER_CASES, ((None, 1), (3, 4))):
         src_k, src_v, page_src, dst_k, dst_v, counts = gather_case(seed, dst_slots=slots)
         dst_pages = destination_pages(seed, page_src, slots) if to_pages else None
         page_size = 16 if slots else None
@@ -127,7 +129,8 @@ def check_triton_gather(device: str) -> int:
         if device == "cuda":        # the engine's host pool is pinned: read in place, zero-copy
             src_k, src_v = src_k.pin_memory(), src_v.pin_memory()
         triton_pages.gather_pages_triton(src_k, src_v, page_src.to(device), dst_k, dst_v, counts,
-                                         dst_pages, page_size)
+                                         dst_pages, page_size, programs=programs,
+                                         pages_at_once=at_once)
         assert torch.equal(dst_k.cpu().view(torch.uint8), want_k.view(torch.uint8))
         assert torch.equal(dst_v.cpu().view(torch.uint8), want_v.view(torch.uint8))
         n += 1
@@ -136,9 +139,9 @@ def check_triton_gather(device: str) -> int:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the compiled kernel is tested")
 def test_triton_gather_interpreter_matches_reference():
-    assert run_interpreted_check("test_quest_gather", "check_triton_gather") == len(GATHER_CASES)
+    assert run_interpreted_check("test_quest_gather", "check_triton_gather") == 2 * len(GATHER_CASES)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_gather_on_gpu_matches_reference():
-    assert check_triton_gather("cuda") == len(GATHER_CASES)
+    assert check_triton_gather("cuda") == 2 * len(GATHER_CASES)

@@ -21,7 +21,8 @@ A policy that prefetches (`PolicyTraits.prefetches`) gets, at the start of each 
 (`lookahead`, called by the decoder), layer l+1's query predicted from the residual stream
 entering layer l (`predict`, Decoder.early_query), on the engine's prefetch stream: what
 it loads there overlaps layer l's compute, and layer l+1 waits for it before its own
-selection.
+selection. Where the prefetch returns its selection (Quest's `late_fetch=False`), layer l+1
+reads those pages and selects nothing itself.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from astream.executor.paged_attention import PagedAttention, prefill_attention
 from astream.kvcache.context_loads import ContextLoads
 from astream.kvcache.offload_engine import OffloadEngine, RingLoads, RingSlot
 from astream.ops.backends import AttentionBackends
-from astream.policies import DecodeQuery, PolicyRuntime, StepPlan, StepShape
+from astream.policies import DecodeQuery, PolicyRuntime, PrefetchedPages, StepPlan, StepShape
 from astream.runtime.events import Event
 
 # predict(layer, residual [T, hidden], positions [T]) -> that layer's query [T, H, D]
@@ -65,7 +66,8 @@ class OffloadAttention:
     contexts: ContextLoads | None = None           # whole prefixes of whole-prefill layers
     gathered_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     predict: PredictFn | None = None               # the early query, where the policy prefetches
-    prefetched: dict[int, Event | None] = field(default_factory=dict)   # layer -> its prefetch
+    # layer -> its prefetch's event, and the pages it chose where the layer is to read them
+    prefetched: dict[int, tuple[Event | None, PrefetchedPages | None]] = field(default_factory=dict)
 
     @property
     def lookahead(self) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
@@ -91,10 +93,10 @@ class OffloadAttention:
             if not context.every_row:
                 hidden, positions = hidden.index_select(0, context.rows), positions.index_select(0, context.rows)
             q = self.predict(target, hidden, positions)
-            self.policy.prefetch_pages(target, DecodeQuery(
+            predicted = self.policy.prefetch_pages(target, DecodeQuery(
                 q, context.block_tables, context.context_lens, context.max_context, physical=True),
                 self.engine, context.owners)
-            self.prefetched[target] = rt.record_event(stream)
+            self.prefetched[target] = rt.record_event(stream), predicted
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer in self.engine.device_layers:
@@ -145,24 +147,32 @@ class OffloadAttention:
     def _selected_pages(self, layer: int, q, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode rows over the host pages the policy chooses, gathered straight from the pool."""
         context = self.plan.decode_context
-        # Its prefetch updates the page buffers this layer's load_pages reads and plans on.
-        self.engine.runtime.wait(self.prefetched.pop(layer, None))
+        # Its prefetch updates the page buffers this layer's load_pages reads and plans on, or
+        # holds the pages it reads instead of its own selection.
+        prefetch, predicted = self.prefetched.pop(layer, (None, None))
+        self.engine.runtime.wait(prefetch)
         q_dec = q if context.every_row else q.index_select(0, context.rows)
-        chosen = self.policy.select_decode(layer, DecodeQuery(
-            q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
+        pages, slot_list = None, None           # (k, v) on the device; the slot of each page
+        if predicted is not None:               # chosen a layer ahead, loaded in order
+            chosen = predicted.chosen
+            if predicted.k is not None:
+                pages = predicted.k, predicted.v
+        else:
+            chosen = self.policy.select_decode(layer, DecodeQuery(
+                q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))
+            if self.step.load_pages and context.owners is not None:
+                reused = self.policy.load_pages(layer, chosen, self.engine, context.owners)
+                if reused is not None:          # the pages sit in the rows' slots, in any order
+                    pages, slot_list = reused[:2], reused[2]
+        if pages is None:
+            pages = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
+        dk, dv = pages
         rows, heads, picked = chosen.indices.shape
-        reused = None
-        if self.step.load_pages and context.owners is not None:
-            reused = self.policy.load_pages(layer, chosen, self.engine, context.owners)
-        if reused is None:
-            dk, dv = self.engine.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size)
-        else:                                   # the pages sit in the rows' slots, in any order
-            dk, dv, slot_list = reused
         tokens = dk.shape[2]                    # a buffer may hold more slots than pages picked
         if tokens not in self.gathered_views:   # the same shapes on the sparse layers of a step
             self.gathered_views[tokens] = gathered_view(rows, heads, picked, tokens, q.device)
         own_block, in_order, every_token = self.gathered_views[tokens]
-        page_list = in_order if reused is None else slot_list
+        page_list = in_order if slot_list is None else slot_list
         part = self.backends.paged_decode_selected(
             q_dec, dk.transpose(1, 2), dv.transpose(1, 2), own_block, page_list, chosen.counts,
             every_token, page_size=chosen.page_size, scale=self.scale,

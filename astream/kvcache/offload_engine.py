@@ -240,13 +240,15 @@ class OffloadEngine:
 
     def gather_pages(self, layer: int, page_ids: torch.Tensor, counts: torch.Tensor, page_size: int,
                      into: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     dst_pages: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     dst_pages: torch.Tensor | None = None,
+                     background: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages of the layer's host KV (page_ids [B, KVH, P] physical page ids, the first
         counts [B, KVH] of each row real) read in place by a device kernel, on the current
         stream (compute, or prefetch), into dense k, v [B, KVH, P * page_size, head_dim]: new
         buffers, or `into` (of any number of pages), where with dst_pages [B, KVH, P] entry p
         fills page dst_pages[b, h, p] (-1: not read). Where the device keeps the layer's keys,
-        they are read there, and only the values cross PCIe."""
+        they are read there, and only the values cross PCIe. A `background` gather (a
+        prefetch, beside a layer's compute) keeps to a few SMs (ops.pages.gather_pages)."""
         rt = self.runtime
         rt.wait(self.offloaded[layer])          # no page is read while it is being written
         if into is None:
@@ -256,7 +258,7 @@ class OffloadEngine:
                     torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device))
         keys = self.device_keys(layer)
         gather_pages(self.host_k[layer] if keys is None else keys, self.host_v[layer], page_ids,
-                     *into, counts, dst_pages, page_size)
+                     *into, counts, dst_pages, page_size, background=background)
         return into
 
     def device_keys(self, layer: int) -> torch.Tensor | None:

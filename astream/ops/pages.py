@@ -176,12 +176,19 @@ def paged_decode_selected(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
 
 def gather_pages(src_k: Tensor, src_v: Tensor, page_src: Tensor, dst_k: Tensor, dst_v: Tensor,
                  counts: Tensor | None = None, dst_pages: Tensor | None = None,
-                 page_size: int | None = None) -> None:
+                 page_size: int | None = None, background: bool = False) -> None:
     """`gather_pages_ref`'s contract; on CUDA dst the Triton kernel also reads a pinned
-    host src directly (zero-copy), one page per program."""
+    host src directly (zero-copy), one page per program. A `background` gather, one that
+    runs beside compute on another stream, walks the pages with a few programs
+    (triton_pages.BACKGROUND_PROGRAMS): a program a page fills every SM while it waits on
+    PCIe, and the compute beside it then waits too (docs/BENCHMARKS.md, Quest, prefetch)."""
     if select_decode_backend(dst_k.device) == "triton":
         from astream.ops import triton_pages
+        launch = {}
+        if background:
+            launch = dict(programs=triton_pages.BACKGROUND_PROGRAMS, num_warps=triton_pages.BACKGROUND_WARPS,
+                          pages_at_once=triton_pages.BACKGROUND_PAGES_AT_ONCE)
         triton_pages.gather_pages_triton(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages,
-                                         page_size)
+                                         page_size, **launch)
         return
     gather_pages_ref(src_k, src_v, page_src, dst_k, dst_v, counts, dst_pages, page_size)

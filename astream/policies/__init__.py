@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from astream.policies.base import (
-    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy, StepPlan,
-    StepShape,
+    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, PrefetchedPages,
+    SparsePolicy, StepPlan, StepShape,
 )
 from astream.policies.combined import CombinedPolicy
 from astream.policies.flexprefill import FlexPrefillPolicy
@@ -108,6 +108,6 @@ def _named_policy(spec: str, name: str, params: dict, budget_tokens: int | None)
 
 
 __all__ = ["CombinedPolicy", "DecodeQuery", "FlexPrefillPolicy", "FullPolicy", "HostPages", "KVLayout",
-           "MInferencePolicy", "POLICIES", "PageSelection", "PolicyRuntime", "PolicyTraits",
+           "MInferencePolicy", "POLICIES", "PageSelection", "PolicyRuntime", "PolicyTraits", "PrefetchedPages",
            "QuestPolicy", "QuestRuntime", "SparsePolicy", "StepPlan", "StepShape", "WindowPolicy",
            "XAttentionPolicy", "check_policy_mode", "make_policy"]

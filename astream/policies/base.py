@@ -33,6 +33,8 @@ Ten concepts:
    `traits.prefetches`, `prefetch_pages(layer, DecodeQuery, HostPages, owners)` is called
    too, during the layer before, with a query predicted from that layer's residual stream
    and on a stream of its own: it may start loading what `load_pages` will then find.
+   Where it returns `PrefetchedPages`, the layer reads those pages instead of selecting
+   and loading its own.
 9. `prefill_attention(layer, q, k, v, meta, causal, scale)`: attention over one prefill
    part (a chunk over itself, or over a slice of its prefix) as (out, lse), on the layers
    `traits.prefill_layers` names; None there is the engine's kernel.
@@ -128,16 +130,27 @@ class PageSelection:
     physical: Tensor | None = None   # [B, KVH, P] int64 block * (block_size // page_size) + j
 
 
+@dataclass(slots=True, frozen=True)
+class PrefetchedPages:
+    """Pages a prefetch chose and loaded for a layer to read in place of its own selection."""
+
+    chosen: PageSelection
+    k: Tensor | None                 # [B, KVH, >= P * page_size, D]: page p at p; None: not loaded
+    v: Tensor | None
+
+
 class HostPages(Protocol):
     """The host pool's page reader that `load_pages` gets (kvcache.OffloadEngine)."""
 
     def gather_pages(self, layer: int, page_ids: Tensor, counts: Tensor, page_size: int,
                      into: tuple[Tensor, Tensor] | None = None,
-                     dst_pages: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     dst_pages: Tensor | None = None,
+                     background: bool = False) -> tuple[Tensor, Tensor]:
         """The pages (physical ids [B, KVH, P], the first counts [B, KVH] of each row real)
         of one layer's host KV as k, v [B, KVH, P * page_size, head_dim], new buffers or
         `into`; with dst_pages [B, KVH, P], entry p fills page dst_pages[b, h, p] of `into`
-        (-1: not read)."""
+        (-1: not read). `background`: a load beside compute (a prefetch), which leaves most
+        of the GPU to the layer computing meanwhile."""
 
 
 @dataclass(slots=True)
@@ -167,10 +180,13 @@ class PolicyRuntime:
         row's sequence's `kv_epoch` (renewed whenever the sequence's blocks start over)."""
         return None
 
-    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages, owners: Tensor) -> None:
+    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages,
+                       owners: Tensor) -> PrefetchedPages | None:
         """With offload, before layer `layer`'s own queries exist: query.q is a prediction
         of them. Start loading the pages it names where `load_pages` will look for them.
-        Runs on the engine's prefetch stream, ordered before that layer's `load_pages`."""
+        Runs on the engine's prefetch stream, ordered before that layer's `load_pages`.
+        Returns None, or the pages the layer is to read in place of its own selection (k
+        and v None: the engine gathers them when the layer runs)."""
         return None
 
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from astream.ops.varlen import VarlenMeta
 from astream.policies.base import (
-    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy, StepPlan,
+    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, PrefetchedPages,
+    SparsePolicy, StepPlan,
     StepShape,
 )
 
@@ -95,8 +96,9 @@ class CombinedRuntime(PolicyRuntime):
                    owners: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
         return self.decode.load_pages(layer, chosen, pool, owners)
 
-    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages, owners: Tensor) -> None:
-        self.decode.prefetch_pages(layer, query, pool, owners)
+    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages,
+                       owners: Tensor) -> PrefetchedPages | None:
+        return self.decode.prefetch_pages(layer, query, pool, owners)
 
     def prefill_attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, meta: VarlenMeta,
                           causal: bool, scale: float) -> tuple[Tensor, Tensor] | None:

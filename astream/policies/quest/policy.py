@@ -25,7 +25,11 @@ from the residual stream entering layer l-1 (Decoder.early_query), its top F x b
 are selected and load into layer l's page buffers on the engine's prefetch stream, while
 layer l-1 computes; layer l then selects with its own query as always and loads only the
 pages the prediction missed. The prediction decides only what is loaded early, never what
-attention reads, so the tokens are those of plain Quest. Either costs device memory, counted
+attention reads, so the tokens are those of plain Quest. With `late_fetch=False` as well,
+attention reads the prediction's pages (F x budget of them) and the layer neither selects
+nor loads anything itself: no load is left in a layer's path, and the pages read are the
+predicted query's choice, not the exact one, so the tokens may part from plain Quest's
+(their accuracy is measured in docs/BENCHMARKS.md). Either costs device memory, counted
 when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV heads x
 max(1, F) x budget_tokens x head_dim.
 
@@ -47,8 +51,8 @@ from torch import Tensor
 from astream.ops import quest as ops
 from astream.ops.quest_select import group_budget, select_decode_pages, select_decode_pages_grouped
 from astream.policies.base import (
-    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, SparsePolicy,
-    check_int,
+    DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, PrefetchedPages,
+    SparsePolicy, check_int,
 )
 from astream.policies.quest.page_reuse import EARLY, LATE, PageReuse, plan_reuse_
 
@@ -64,6 +68,7 @@ class QuestPolicy(SparsePolicy):
     reuse_pages: bool = False
     prefetch: float = 0.0            # 0: off; else pages predicted a layer ahead, x the budget
     keys_on_device: bool = False     # with offload: selecting layers' keys kept on the device too
+    late_fetch: bool = True          # with prefetch: False reads the predicted pages only
     # Two-level selection above group_above_pages pages (docs/ENGINE.md, Quest): groups of
     # group_pages pages of a block, kept holding group_factor x the budget's pages.
     group_pages: int = 16
@@ -84,13 +89,16 @@ class QuestPolicy(SparsePolicy):
             raise ValueError(f"QuestPolicy budget_tokens {self.budget_tokens} must hold at least the "
                              f"sink and recent pages ({self.sink_pages + self.recent_pages} of "
                              f"{self.page_size} tokens)")
-        for key in ("reuse_pages", "keys_on_device"):
+        for key in ("reuse_pages", "keys_on_device", "late_fetch"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"QuestPolicy {key} must be True or False, got {getattr(self, key)!r}")
         if (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, (int, float))
                 or not (self.prefetch == 0 or 1 <= self.prefetch <= 8)):
             raise ValueError(f"QuestPolicy prefetch must be 0 (off) or a multiple of the budget "
                              f"from 1 to 8, got {self.prefetch!r}")
+        if not self.late_fetch and not self.prefetch:
+            raise ValueError("QuestPolicy late_fetch=False reads the pages a prefetch predicted: "
+                             "it needs prefetch >= 1")
         if self.gqa_reduce not in ops.GQA_REDUCTIONS:
             raise ValueError(f"QuestPolicy gqa_reduce must be one of {ops.GQA_REDUCTIONS}, "
                              f"got {self.gqa_reduce!r}")
@@ -236,25 +244,47 @@ class QuestRuntime(PolicyRuntime):
         hold are read from the host pool (policies.quest.page_reuse)."""
         return self._through_buffers(layer, chosen, pool, owners, LATE)
 
-    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages, owners: Tensor) -> None:
-        """The predicted query's top `prefetch_pages` pages into the layer's page buffers."""
-        chosen = self._select(layer, query, self.policy.prefetch_pages, None)
-        self._through_buffers(layer, chosen, pool, owners, EARLY)
+    def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages,
+                       owners: Tensor) -> PrefetchedPages | None:
+        """The predicted query's top `prefetch_pages` pages into the layer's page buffers.
+        Without `late_fetch` they are what the layer reads (and counts as read), loaded in
+        the order chosen: no reuse plan on the prefetch's path, which bounds the step."""
+        if self.policy.late_fetch:
+            self._through_buffers(layer, self._select(layer, query, self.policy.prefetch_pages, None),
+                                  pool, owners, EARLY)
+            return None
+        chosen = self._select(layer, query, self.policy.prefetch_pages, self.counters[layer])
+        found = self._buffers(layer, chosen)
+        if found is None:
+            return PrefetchedPages(chosen, None, None)
+        rows = chosen.physical.shape[0]
+        k, v, _, owner = found
+        pool.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size,
+                          into=(k[:rows], v[:rows]), background=True)
+        owner[:rows].fill_(-1)                  # what the slots held is not known to a plan
+        self.reuse.loaded[layer, EARLY] += chosen.counts.sum()
+        return PrefetchedPages(chosen, k[:rows], v[:rows])
+
+    def _buffers(self, layer: int, chosen: PageSelection) -> tuple[Tensor, ...] | None:
+        """The layer's page buffers for the rows of `chosen` (reuse.layer), or None."""
+        rows, kv_heads, _ = chosen.physical.shape
+        layout = self.layout
+        if self.reuse is None or rows > self.reuse.rows:
+            return None
+        return self.reuse.layer(layer, kv_heads, self.policy.buffer_pages, chosen.page_size,
+                                layout.head_dim, layout.key_dtype, layout.device)
 
     def _through_buffers(self, layer: int, chosen: PageSelection, pool: HostPages, owners: Tensor,
                          when: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        rows, kv_heads, _ = chosen.physical.shape
-        layout = self.layout
-        found = None if self.reuse is None or rows > self.reuse.rows else self.reuse.layer(
-            layer, kv_heads, self.policy.buffer_pages, chosen.page_size, layout.head_dim,
-            layout.key_dtype, layout.device)
+        rows = chosen.physical.shape[0]
+        found = self._buffers(layer, chosen)
         if found is None:
             return None
         k, v, held, owner = found
         page_list, load_to = plan_reuse_(held[:rows], owner[:rows], chosen.physical, chosen.counts,
                                          owners, self.reuse.loaded[layer, when:when + 1])
         pool.gather_pages(layer, chosen.physical, chosen.counts, chosen.page_size,
-                          into=(k[:rows], v[:rows]), dst_pages=load_to)
+                          into=(k[:rows], v[:rows]), dst_pages=load_to, background=when == EARLY)
         return k[:rows], v[:rows], page_list
 
     def stats(self) -> dict:
