@@ -16,8 +16,7 @@ from torch import Tensor
 from astream.ops.varlen import VarlenMeta
 from astream.policies.base import (
     DecodeQuery, HostPages, KVLayout, PageSelection, PolicyRuntime, PolicyTraits, PrefetchedPages,
-    SparsePolicy, StepPlan,
-    StepShape,
+    SparsePolicy, StepPlan, StepShape,
 )
 
 
