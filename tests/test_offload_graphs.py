@@ -24,10 +24,9 @@ PROMPTS = [LONG, "The quick brown fox", "def fibonacci(n):", "1, 2, 3, 4,"]
 PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 33, 20, 7)]
 
 
-def quest(dense_layers: int = 2, reuse_pages: bool = False, prefetch: float = 0,
-          late_fetch: bool = True) -> QuestPolicy:
+def quest(dense_layers: int = 2, reuse_pages: bool = False, prefetch: float = 0) -> QuestPolicy:
     return QuestPolicy(budget_tokens=128, dense_layers=dense_layers, reuse_pages=reuse_pages,
-                       prefetch=prefetch, late_fetch=late_fetch)
+                       prefetch=prefetch)
 
 
 def with_static_graphs(llm: LLM, max_batch: int) -> OffloadDecodeGraphs:
