@@ -66,8 +66,10 @@ class OffloadAttention:
     contexts: ContextLoads | None = None           # whole prefixes of whole-prefill layers
     gathered_views: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     predict: PredictFn | None = None               # the early query, where the policy prefetches
-    # layer -> its prefetch's event, and the pages it chose where the layer is to read them
-    prefetched: dict[int, tuple[Event | None, PrefetchedPages | None]] = field(default_factory=dict)
+    # layer -> its prefetch's events (selection, load), and the pages it chose where the
+    # layer is to read them
+    prefetched: dict[int, tuple[tuple[Event | None, ...], PrefetchedPages | None]] = field(
+        default_factory=dict)
 
     @property
     def lookahead(self) -> Callable[[int, torch.Tensor, torch.Tensor], None] | None:
@@ -89,6 +91,7 @@ class OffloadAttention:
             # Compute frees `hidden` a layer on, while this stream may still read it.
             hidden.record_stream(stream)
             positions.record_stream(stream)
+        loaded = self.engine.prefetch_loaded
         with rt.on(stream):
             if not context.every_row:
                 hidden, positions = hidden.index_select(0, context.rows), positions.index_select(0, context.rows)
@@ -96,7 +99,10 @@ class OffloadAttention:
             predicted = self.policy.prefetch_pages(target, DecodeQuery(
                 q, context.block_tables, context.context_lens, context.max_context, physical=True),
                 self.engine, context.owners)
-            self.prefetched[target] = rt.record_event(stream), predicted
+            events = (rt.record_event(stream),)
+        if self.engine.prefetch_loaded is not loaded:   # its loads ran on the engine's load stream
+            events += (self.engine.prefetch_loaded,)
+        self.prefetched[target] = events, predicted
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if layer in self.engine.device_layers:
@@ -149,8 +155,9 @@ class OffloadAttention:
         context = self.plan.decode_context
         # Its prefetch updates the page buffers this layer's load_pages reads and plans on, or
         # holds the pages it reads instead of its own selection.
-        prefetch, predicted = self.prefetched.pop(layer, (None, None))
-        self.engine.runtime.wait(prefetch)
+        prefetch, predicted = self.prefetched.pop(layer, ((), None))
+        for event in prefetch:
+            self.engine.runtime.wait(event)
         q_dec = q if context.every_row else q.index_select(0, context.rows)
         pages, slot_list = None, None           # (k, v) on the device; the slot of each page
         if predicted is not None:               # chosen a layer ahead, loaded in order

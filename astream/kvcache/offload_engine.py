@@ -112,6 +112,10 @@ class OffloadEngine:
     h2d: torch.cuda.Stream | None = None
     d2h: torch.cuda.Stream | None = None
     prefetch: torch.cuda.Stream | None = None
+    # A prefetch's loads, apart from its selection: the next layer's selection need not queue
+    # behind this layer's load, so the link stays busy.
+    prefetch_load: torch.cuda.Stream | None = None
+    prefetch_loaded: Event | None = None       # the latest load queued on prefetch_load
     offloaded: list[Event | None] = field(default_factory=list)   # per layer: its latest D2H
     staging_free: list[Event | None] = field(default_factory=lambda: [None, None])
     bytes_loaded: int = 0
@@ -143,7 +147,8 @@ class OffloadEngine:
         return cls(runtime, host_k, host_v, slots, staging, buffers(max_seqs + 1, layers),
                    buffers(max_seqs + 1, layers), fmt, pool, on_device, frozenset(device_layers),
                    device_k, h2d=runtime.new_stream(), d2h=runtime.new_stream(),
-                   prefetch=runtime.new_stream(priority=-1), offloaded=[None] * layers)
+                   prefetch=runtime.new_stream(priority=-1),
+                   prefetch_load=runtime.new_stream(priority=-1), offloaded=[None] * layers)
 
     @property
     def slot_blocks(self) -> int:
@@ -248,17 +253,28 @@ class OffloadEngine:
         buffers, or `into` (of any number of pages), where with dst_pages [B, KVH, P] entry p
         fills page dst_pages[b, h, p] (-1: not read). Where the device keeps the layer's keys,
         they are read there, and only the values cross PCIe. A `background` gather (a
-        prefetch, beside a layer's compute) keeps to a few SMs (ops.pages.gather_pages)."""
+        prefetch, beside a layer's compute) keeps to a few SMs (ops.pages.gather_pages) and
+        runs on `prefetch_load`, after what the current stream queued; `prefetch_loaded`
+        then marks it."""
         rt = self.runtime
-        rt.wait(self.offloaded[layer])          # no page is read while it is being written
         if into is None:
             batch, kv_heads, pages = page_ids.shape
             shape = (batch, kv_heads, pages * page_size, self.host_k[layer].shape[-1])
             into = (torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device),
                     torch.empty(shape, dtype=self.host_k[layer].dtype, device=rt.device))
+        stream = self.prefetch_load if background else None
+        if stream is not None:
+            rt.wait(rt.record_event(), stream)  # after the selection that named the pages
+            for tensor in (page_ids, counts, dst_pages):
+                if tensor is not None:          # made on the selecting stream, read here
+                    tensor.record_stream(stream)
         keys = self.device_keys(layer)
-        gather_pages(self.host_k[layer] if keys is None else keys, self.host_v[layer], page_ids,
-                     *into, counts, dst_pages, page_size, background=background)
+        with rt.on(stream):
+            rt.wait(self.offloaded[layer])      # no page is read while it is being written
+            gather_pages(self.host_k[layer] if keys is None else keys, self.host_v[layer],
+                         page_ids, *into, counts, dst_pages, page_size, background=background)
+        if stream is not None:
+            self.prefetch_loaded = rt.record_event(stream)
         return into
 
     def device_keys(self, layer: int) -> torch.Tensor | None:
