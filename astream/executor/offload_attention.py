@@ -91,7 +91,7 @@ class OffloadAttention:
             # Compute frees `hidden` a layer on, while this stream may still read it.
             hidden.record_stream(stream)
             positions.record_stream(stream)
-        loaded = self.engine.prefetch_loaded
+        self.engine.prefetch_loaded = None      # set by a load the prefetch queues
         with rt.on(stream):
             if not context.every_row:
                 hidden, positions = hidden.index_select(0, context.rows), positions.index_select(0, context.rows)
@@ -100,8 +100,9 @@ class OffloadAttention:
                 q, context.block_tables, context.context_lens, context.max_context, physical=True),
                 self.engine, context.owners)
             events = (rt.record_event(stream),)
-        if self.engine.prefetch_loaded is not loaded:   # its loads ran on the engine's load stream
+        if self.engine.prefetch_loaded is not None:     # its load ran on the engine's load stream
             events += (self.engine.prefetch_loaded,)
+            self.engine.prefetch_loaded = None
         self.prefetched[target] = events, predicted
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -28,15 +28,18 @@ pages of a caller's), `context_loads` (whole prefixes, for a sparse prefill poli
 `pending_offloads`, and `free_host_pool`. Views handed out are token-major ([blocks, block_size, kv_heads,
 head_dim], strided), the layout the attention kernels take.
 
-Four streams, ordered only by events, never by the host:
+Five streams, ordered only by events, never by the host:
 - H2D (loads) waits for the slot's previous reader to finish (`slot.free`) and for the
   layer's last offload (the block it reads may have just been written);
 - compute waits for `slot.loaded` before reading a slot, and for the layer's last
   offload before overwriting a staging buffer or a tail it reads from;
 - D2H (offloads) waits for the compute that produced the KV;
-- prefetch runs `gather_pages` for a layer ahead of compute (a policy's `prefetch_pages`):
-  it waits for the compute queued before it, and compute waits for it before the layer it
-  loaded for (executor.offload_attention). It has the higher priority, so its page reads
+- prefetch predicts and selects a layer ahead of compute (a policy's `prefetch_pages`): it
+  waits for the compute queued before it, and compute waits for it before the layer it
+  selected for (executor.offload_attention);
+- prefetch_load runs that selection's `gather_pages(background=True)`: it waits for the
+  selection, and compute waits for it too. Apart from prefetch, the next layer's selection
+  need not queue behind this layer's load. Both have the higher priority, so page reads
   start while the layer before computes rather than after.
 """
 
@@ -115,7 +118,7 @@ class OffloadEngine:
     # A prefetch's loads, apart from its selection: the next layer's selection need not queue
     # behind this layer's load, so the link stays busy.
     prefetch_load: torch.cuda.Stream | None = None
-    prefetch_loaded: Event | None = None       # the latest load queued on prefetch_load
+    prefetch_loaded: Event | None = None       # the latest load queued on prefetch_load, if unread
     offloaded: list[Event | None] = field(default_factory=list)   # per layer: its latest D2H
     staging_free: list[Event | None] = field(default_factory=lambda: [None, None])
     bytes_loaded: int = 0
@@ -249,7 +252,7 @@ class OffloadEngine:
                      background: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Pages of the layer's host KV (page_ids [B, KVH, P] physical page ids, the first
         counts [B, KVH] of each row real) read in place by a device kernel, on the current
-        stream (compute, or prefetch), into dense k, v [B, KVH, P * page_size, head_dim]: new
+        stream (compute; prefetch_load where `background`), into dense k, v [B, KVH, P * page_size, head_dim]: new
         buffers, or `into` (of any number of pages), where with dst_pages [B, KVH, P] entry p
         fills page dst_pages[b, h, p] (-1: not read). Where the device keeps the layer's keys,
         they are read there, and only the values cross PCIe. A `background` gather (a
@@ -265,8 +268,8 @@ class OffloadEngine:
         stream = self.prefetch_load if background else None
         if stream is not None:
             rt.wait(rt.record_event(), stream)  # after the selection that named the pages
-            for tensor in (page_ids, counts, dst_pages):
-                if tensor is not None:          # made on the selecting stream, read here
+            for tensor in (page_ids, counts, dst_pages, *into):
+                if tensor is not None:          # made on the selecting stream, used here
                     tensor.record_stream(stream)
         keys = self.device_keys(layer)
         with rt.on(stream):
@@ -315,6 +318,7 @@ class OffloadEngine:
         self.runtime.synchronize()
         self.offloaded = [None] * len(self.offloaded)
         self.staging_free = [None, None]
+        self.prefetch_loaded = None
 
     def free_host_pool(self) -> None:
         """Give the host pool's pinned pages back (call once the device is idle)."""

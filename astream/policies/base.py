@@ -149,8 +149,9 @@ class HostPages(Protocol):
         """The pages (physical ids [B, KVH, P], the first counts [B, KVH] of each row real)
         of one layer's host KV as k, v [B, KVH, P * page_size, head_dim], new buffers or
         `into`; with dst_pages [B, KVH, P], entry p fills page dst_pages[b, h, p] of `into`
-        (-1: not read). `background`: a load beside compute (a prefetch), which leaves most
-        of the GPU to the layer computing meanwhile."""
+        (-1: not read). `background`: a load beside compute (a prefetch), on a stream of its
+        own after what the current stream queued, which leaves most of the GPU to the layer
+        computing meanwhile."""
 
 
 @dataclass(slots=True)
@@ -184,7 +185,8 @@ class PolicyRuntime:
                        owners: Tensor) -> PrefetchedPages | None:
         """With offload, before layer `layer`'s own queries exist: query.q is a prediction
         of them. Start loading the pages it names where `load_pages` will look for them.
-        Runs on the engine's prefetch stream, ordered before that layer's `load_pages`.
+        Runs on the engine's prefetch stream (its `background` gathers on a load stream of
+        their own), ordered before that layer's `load_pages`.
         Returns None, or the pages the layer is to read in place of its own selection (k
         and v None: the engine gathers them when the layer runs)."""
         return None
