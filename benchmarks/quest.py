@@ -297,10 +297,11 @@ def pipelined_steps(core: EngineCore, steps: int) -> list[float]:
 
 
 def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = "auto",
-               select_above: int | None = None, **policy) -> None:
+               select_above: int | None = None, **policy) -> int:
     """The engine's Quest runtime given `budget` (and other `policy` fields), its graphs
     captured again. Decode selects pages once a context passes `select_above` tokens (None:
-    the budget, as the policy binds; a budget that covers the context then reads it densely)."""
+    the budget, as the policy binds; a budget that covers the context then reads it densely).
+    Returns the device bytes the capture reserved (0 on the CPU)."""
     from astream.executor.build import build_graphs
     from astream.ops.layer_kernels import LayerKernels
     runtime = core.runner.policy
@@ -314,11 +315,17 @@ def set_budget(core: EngineCore, budget: int, kernels: str, dense_graphs: str = 
     # Graphs bake the selection and the kernels in: capture again. --eager keeps every step eager.
     core.runner.graphs = None
     gc.collect()
+    cuda = core.runtime.device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()        # the previous capture's pool, so the next one is counted
+    reserved = torch.cuda.memory_reserved() if cuda else 0
     core.runner.graphs = graphs = build_graphs(core.config, core.plan, core.runner)
+    captured = torch.cuda.memory_reserved() - reserved if cuda else 0
     # With offload, a policy that never selects (Full) loads whole contexts between a chain of
     # graphs; "never" measures the eager ring instead.
     if graphs is not None and getattr(graphs, "dense", False) and dense_graphs == "never":
         core.runner.graphs = None
+    return captured
 
 
 def model_dtype(o) -> str:
@@ -336,7 +343,7 @@ def keeps_device_keys(core: EngineCore) -> bool:
     return offload is not None and any(k is not None for k in offload.device_k)
 
 
-def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
+def measure_steps(core: EngineCore, steps: int, prefill_s: float, graph_bytes: int = 0) -> dict:
     before = core.stats()
     times = decode_steps(core, steps)
     after = core.stats()
@@ -357,7 +364,8 @@ def measure_steps(core: EngineCore, steps: int, prefill_s: float) -> dict:
             "bytes_loaded_per_step": loaded // steps, "bytes_gathered_per_step": gathered // steps,
             "late_bytes_per_step": late // steps,
             "info": {"graph_steps": after["graph_steps"] - before["graph_steps"],
-                     "prefill_s": round(prefill_s, 2)}}
+                     "prefill_s": round(prefill_s, 2),
+                     "graph_pool_mib": round(graph_bytes / 2**20, 1)}}
 
 
 def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: int,
@@ -386,9 +394,9 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
                                 # Without a prefetch there is no prediction to read instead.
                                 for late_fetch in (late_fetches if prefetch else (True,))]
                     for prefetch, reduce, late_fetch in variants:
-                        set_budget(core, budget, kernels, dense_graphs, prefetch=prefetch,
-                                   late_fetch=late_fetch,
-                                   **({"gqa_reduce": reduce} if sparse else {}))
+                        graph_bytes = set_budget(
+                            core, budget, kernels, dense_graphs, prefetch=prefetch,
+                            late_fetch=late_fetch, **({"gqa_reduce": reduce} if sparse else {}))
                         decode_steps(core, 2)                    # warm-up (and Triton compiles)
                         yield ({"mode": mode, "kv": kv, "context": ctx, "batch": batch,
                                 "budget": "full" if budget == FULL else budget,
@@ -397,7 +405,7 @@ def engine_speed_cases(config: EngineConfig, mode: str, shapes, budgets, steps: 
                                 "keys_on_device": keeps_device_keys(core),
                                 "layer_kernels": kernels,
                                 "dense_graphs": dense_graphs},
-                               partial(measure_steps, core, steps, prefill_s))
+                               partial(measure_steps, core, steps, prefill_s, graph_bytes))
             for rid in ids:
                 core.abort(rid)
 
