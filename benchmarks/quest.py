@@ -15,6 +15,7 @@ Sections (the section's own options after its name; defaults in brackets):
   previous one's tokens are read back, so host work hides behind the device): the interval
   between consecutive steps' results. With offload, bytes moved per step: ring loads (Full)
   or gathered pages (with --reuse-pages, only the pages a row's slots did not already hold).
+  `graph_pool_mib`: the device memory each capture reserved (its graphs' private pool).
   --steps [10] timed steps of each kind a run; --cases CTXxBATCH,...; --budgets full,4096;
   --kv-dtypes auto,fp8_e4m3 (in turn); --gqa-reduce max,relative (in turn, each budget);
   --skip resident|offload|offload_full; --layer-kernels
