@@ -28,9 +28,13 @@ of a section come before the next section's, so a run cut short keeps whole pair
   time. Each rank loads the same block ids of its own KV heads over its own PCIe link, so
   rank 0's count is every rank's: the figure is per link.
 - `quest`: the same with sparse_policy Quest (--budget [4096] tokens; its first dense_layers
-  [2] layers read whole contexts), --quest [131072x1], --steps steps timed both ways. The
-  bytes add the pages gathered from the host pool (`bytes_gathered_per_step`: rank 0's
-  selections, for its own KV heads) to the dense layers' loads.
+  [2] layers read whole contexts; --quest-options its other fields, as in a policy spec, e.g.
+  "prefetch=1,late_fetch=False,keys_on_device=True"), --quest [131072x1], --steps steps
+  timed both ways. The bytes add the pages gathered from the host pool
+  (`bytes_gathered_per_step`: rank 0's selections, for its own KV heads) to the dense layers'
+  loads: the pages' values alone where the device keeps the keys, and only the pages that
+  loaded where they go through page buffers (a prefetch's, or reuse_pages'), which
+  `pages_loaded_per_step` counts.
 
 Decode steps run from CUDA graphs where the engine captures them, at every TP size (each rank
 replays the same graph, the collectives inside it), unless --eager (every engine eager: the
@@ -75,7 +79,7 @@ import torch
 
 from common import (agreement, engine_core, random_workload, run_requests, shaped_model,  # noqa: I001
                     synthetic_tokenizer, top2_margins)
-from quest import decode_steps, ms, pipelined_steps
+from quest import decode_steps, keeps_device_keys, ms, pipelined_steps
 from throughput import astream_run
 from tp_faults import fault_cases
 from astream import LLM, SamplingParams
@@ -84,6 +88,7 @@ from astream.core.engine_core import EngineCore
 from astream.core.request import ListSink
 from astream.executor.build import capture_graphs, graph_spec
 from astream.policies import QuestPolicy
+from astream.policies.spec import parse_policy_spec
 
 SECTIONS = ("decode", "throughput", "offload", "quest")
 MARGIN = 1024                        # tokens past the context: decode steps of every repeat
@@ -116,6 +121,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", type=int, default=None, help="quest: tokens read per KV head [4096]")
     parser.add_argument("--dense-layers", type=int, default=None,
                         help="quest: first layers that read whole contexts [2]")
+    parser.add_argument("--quest-options", default="",
+                        help="quest: QuestPolicy's other fields, key=value,... (e.g. prefetch=1,"
+                             "late_fetch=False,keys_on_device=True)")
     parser.add_argument("--profile-from", type=int, default=None,
                         help="profile: the first step profiled [300]")
     parser.add_argument("--profile-steps", type=int, default=None, help="profile: steps profiled [40]")
@@ -186,9 +194,11 @@ def prefill(core: EngineCore, ctx: int, batch: int, seed: int) -> tuple[list[str
 
 
 def page_bytes(core: EngineCore) -> int:
-    """One KV head's Quest page, K and V, in the cache's dtype."""
+    """One KV head's Quest page over PCIe, in the cache's dtype: K and V, or only V where
+    the device keeps the keys (keys_on_device)."""
     dtype = getattr(torch, core.stats()["kv_cache_dtype"])
-    return core.runner.policy.policy.page_size * core.model.decoder.config.head_dim * 2 * dtype.itemsize
+    parts = 1 if keeps_device_keys(core) else 2
+    return core.runner.policy.policy.page_size * core.model.decoder.config.head_dim * parts * dtype.itemsize
 
 
 def measure(core: EngineCore, sinks: list[ListSink], steps: int, pipelined: bool,
@@ -201,11 +211,17 @@ def measure(core: EngineCore, sinks: list[ListSink], steps: int, pipelined: bool
         row["pipelined_step_ms"] = ms(pipelined_steps(core, steps + 1))   # `steps` intervals
     if after["offload"]:
         loaded = after["offload_bytes_loaded"] - before["offload_bytes_loaded"]
-        pages = sum(after.get("quest_pages_read", [0])) - sum(before.get("quest_pages_read", [0]))
-        gathered = pages * page_bytes(core) if pages else 0
+
+        def pages(counter: str) -> int:
+            return sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
+        # Through page buffers (a prefetch's, or reuse_pages') only the pages that loaded cross.
+        buffered = pages("quest_pages_loaded")
+        crossed = buffered or pages("quest_pages_read")
+        gathered = crossed * page_bytes(core) if crossed else 0
         row["bytes_loaded_per_step"] = loaded // steps
         if "quest_pages_read" in after:
             row["bytes_gathered_per_step"] = gathered // steps
+            row["pages_loaded_per_step"] = buffered // steps
         row["link_gb_s"] = (loaded + gathered) / sum(times) / 1e9
     # A sequence that reached max_model_len would leave steps that decode fewer rows.
     running = all(not sink.tokens[-1].finish_reason for sink in sinks)
@@ -255,10 +271,12 @@ def offload_cases(o, tp: int):
 
 def quest_cases(o, tp: int):
     shapes = parse_cases(o.quest)
-    policy = QuestPolicy(budget_tokens=o.budget, dense_layers=o.dense_layers)
+    [(_, fields)] = parse_policy_spec(f"quest({o.quest_options})")
+    policy = QuestPolicy(budget_tokens=o.budget, dense_layers=o.dense_layers, **fields)
     config = core_config(o, tp, shapes, sparse_policy=policy, **offload_extra(o))
     yield from step_cases(config, {"section": "quest", "tp": tp, "budget": o.budget,
-                                   "dense_layers": o.dense_layers}, shapes, o.steps, True, 2)
+                                   "dense_layers": o.dense_layers, **fields},
+                          shapes, o.steps, True, 2)
 
 
 # ---------------------------------------------------------------- throughput

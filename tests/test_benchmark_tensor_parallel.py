@@ -46,6 +46,7 @@ def test_every_section_runs_at_one_and_two_ranks(tmp_path, capsys):
         2 * per_step(("offload", 1, 1), "bytes_loaded_per_step")
     gathered = per_step(("quest", 1, 1), "bytes_gathered_per_step")
     assert gathered > 0 and per_step(("quest", 2, 1), "bytes_gathered_per_step") * 2 == gathered
+    assert per_step(("quest", 1, 1), "pages_loaded_per_step") == 0     # no page buffers
     assert rows[("offload", 2, 1)]["figures"]["link_gb_s"]["median"] > 0
 
     table = capsys.readouterr().out.split("ratio = TP=2 / TP=1")[1]
@@ -96,3 +97,20 @@ def test_the_profile_section_splits_rank_0s_step_time_by_kernel_kind(tmp_path):
         "_decode_split_kernel", "_selected_split_kernel", "nvjet_sm90_tst_192x112_64x5_1x2_h_bz_TNT",
         "_add_rms_norm_kernel")] == ["all_reduce", "logits_gather", "attention", "attention", "gemm",
                                      "other"]
+
+
+def test_the_quest_section_takes_the_policys_other_fields(tmp_path):
+    """--quest-options reach each rank's QuestPolicy: the one sparse layer reads the pages
+    its prediction loaded, each rank its own half of the KV heads'."""
+    import run
+    out = tmp_path / "result.json"
+    argv = ["tensor_parallel", "--smoke", "--out", str(out), "--sections", "quest", "--steps", "2",
+            "--quest", "160x1", "--dense-layers", "1", "--quest-options", "prefetch=1,late_fetch=False"]
+    assert run.main(argv) == 0
+    rows = {r["params"]["tp"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert (row["params"]["prefetch"], row["params"]["late_fetch"]) == (1, False)
+        assert row["figures"]["pages_loaded_per_step"]["median"] > 0    # by the prefetch
+    gathered = [rows[tp]["figures"]["bytes_gathered_per_step"]["median"] for tp in (1, 2)]
+    assert gathered[0] > 0 and gathered[1] * 2 == gathered[0]
