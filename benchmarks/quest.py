@@ -156,7 +156,6 @@ from astream.policies import QuestPolicy
 SECTIONS = ("speed", "kernels", "kernel_sweep", "layouts", "select_sweep", "locality", "profile",
             "reuse", "filled", "prefetch", "agreement")
 FULL = 1 << 40                                   # a budget no context reaches: the dense path
-PAGE_ELEMENTS = 16 * 128 * 2                     # one KV head's page: 16 tokens x 128 x K,V
 KV_HEADS, GROUP, DIM, PAGE = 8, 4, 128, 16       # the Qwen3-4B/8B attention shape, Quest's page
 KERNEL_BLOCK, HOST_BLOCK = 16, 256               # `kernels`: KV block; gather's host pool block
 SWEEP_BLOCK = 256                                # the sweeps: KV block, as the engine's at 128K
@@ -344,23 +343,40 @@ def keeps_device_keys(core: EngineCore) -> bool:
     return offload is not None and any(k is not None for k in offload.device_k)
 
 
+def page_bytes(core: EngineCore) -> int:
+    """One KV head's Quest page over PCIe, in the cache's dtype: K and V, or only V where
+    the device keeps the keys (keys_on_device)."""
+    dtype = getattr(torch, core.stats()["kv_cache_dtype"])
+    parts = 1 if keeps_device_keys(core) else 2
+    return core.runner.policy.policy.page_size * core.model.decoder.config.head_dim * parts * dtype.itemsize
+
+
+def pages_crossed(before: dict, after: dict) -> tuple[int, int, int]:
+    """Quest's host pages that crossed PCIe between two `EngineCore.stats()`: (all of them,
+    those the layers loaded in their own path, those that went through page buffers).
+    Through page buffers (a prefetch's, or reuse_pages') only the pages that loaded cross;
+    otherwise every page read does, in the layer's path."""
+    def pages(counter: str) -> int:
+        return sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
+
+    buffered = pages("quest_pages_loaded")
+    if buffered:
+        return buffered, pages("quest_pages_loaded_late"), buffered
+    read = pages("quest_pages_read")
+    return read, read, 0
+
+
 def measure_steps(core: EngineCore, steps: int, prefill_s: float, graph_bytes: int = 0) -> dict:
     before = core.stats()
     times = decode_steps(core, steps)
     after = core.stats()
     pipelined = pipelined_steps(core, steps + 1)
     loaded = after.get("offload_bytes_loaded", 0) - before.get("offload_bytes_loaded", 0)
-    def pages(counter: str) -> int:
-        return sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
-
-    element = PAGE_ELEMENTS * (1 if after["kv_cache_dtype"].startswith("float8") else 2)
-    if keeps_device_keys(core):
-        element //= 2                  # the keys are read on the device: only values cross PCIe
-    buffered = pages("quest_pages_loaded") > 0
-    gathered = pages("quest_pages_loaded" if buffered else "quest_pages_read") * element
-    late = pages("quest_pages_loaded_late" if buffered else "quest_pages_read") * element
-    if not after["offload"]:
-        gathered = late = 0
+    gathered = late = 0
+    if after["offload"]:
+        crossed, in_path, _ = pages_crossed(before, after)
+        size = page_bytes(core)
+        gathered, late = crossed * size, in_path * size
     return {"step_ms": ms(times), "pipelined_step_ms": ms(pipelined),
             "bytes_loaded_per_step": loaded // steps, "bytes_gathered_per_step": gathered // steps,
             "late_bytes_per_step": late // steps,

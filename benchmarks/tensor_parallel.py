@@ -79,7 +79,7 @@ import torch
 
 from common import (agreement, engine_core, random_workload, run_requests, shaped_model,  # noqa: I001
                     synthetic_tokenizer, top2_margins)
-from quest import decode_steps, keeps_device_keys, ms, pipelined_steps
+from quest import decode_steps, ms, page_bytes, pages_crossed, pipelined_steps
 from throughput import astream_run
 from tp_faults import fault_cases
 from astream import LLM, SamplingParams
@@ -193,14 +193,6 @@ def prefill(core: EngineCore, ctx: int, batch: int, seed: int) -> tuple[list[str
     return ids, sinks, time.perf_counter() - start
 
 
-def page_bytes(core: EngineCore) -> int:
-    """One KV head's Quest page over PCIe, in the cache's dtype: K and V, or only V where
-    the device keeps the keys (keys_on_device)."""
-    dtype = getattr(torch, core.stats()["kv_cache_dtype"])
-    parts = 1 if keeps_device_keys(core) else 2
-    return core.runner.policy.policy.page_size * core.model.decoder.config.head_dim * parts * dtype.itemsize
-
-
 def measure(core: EngineCore, sinks: list[ListSink], steps: int, pipelined: bool,
             prefill_s: float) -> dict:
     before = core.stats()
@@ -211,12 +203,7 @@ def measure(core: EngineCore, sinks: list[ListSink], steps: int, pipelined: bool
         row["pipelined_step_ms"] = ms(pipelined_steps(core, steps + 1))   # `steps` intervals
     if after["offload"]:
         loaded = after["offload_bytes_loaded"] - before["offload_bytes_loaded"]
-
-        def pages(counter: str) -> int:
-            return sum(after.get(counter, [0])) - sum(before.get(counter, [0]))
-        # Through page buffers (a prefetch's, or reuse_pages') only the pages that loaded cross.
-        buffered = pages("quest_pages_loaded")
-        crossed = buffered or pages("quest_pages_read")
+        crossed, _, buffered = pages_crossed(before, after)
         gathered = crossed * page_bytes(core) if crossed else 0
         row["bytes_loaded_per_step"] = loaded // steps
         if "quest_pages_read" in after:
