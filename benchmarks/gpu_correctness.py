@@ -35,7 +35,8 @@ REFERENCE = RESULTS / "cpu_reference_smollm2.json"
 # context (its full 16-token blocks, at most 32 tokens here) still has pages to leave out.
 # Resident, offload from CUDA graphs, offload eager, offload keeping pages between steps,
 # offload loading pages a layer ahead (from graphs and eager), and reading only those pages
-# (late_fetch=False, from graphs and eager).
+# (late_fetch=False, from graphs and eager; and from graphs loading only the pages a row's
+# slots do not hold).
 QUEST = {"kv_block_size": 16, "sparse_policy": QuestPolicy(budget_tokens=24, page_size=8)}
 QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
                   "offload_quest_eager": {"offload": True, "enforce_eager": True},
@@ -53,7 +54,10 @@ QUEST_VARIANTS = {"quest": {}, "offload_quest_graphs": {"offload": True},
                           QUEST["sparse_policy"], prefetch=1.5, late_fetch=False)},
                   "offload_quest_predicted_eager": {
                       "offload": True, "enforce_eager": True, "sparse_policy": dataclasses.replace(
-                          QUEST["sparse_policy"], prefetch=1.5, late_fetch=False)}}
+                          QUEST["sparse_policy"], prefetch=1.5, late_fetch=False)},
+                  "offload_quest_predicted_reuse_graphs": {
+                      "offload": True, "sparse_policy": dataclasses.replace(
+                          QUEST["sparse_policy"], prefetch=1.5, late_fetch=False, reuse_pages=True)}}
 DENSE_VARIANTS = {"offload16_graphs": {"offload": True, "kv_block_size": 16},
                   "offload16_eager": {"offload": True, "kv_block_size": 16, "enforce_eager": True}}
 

@@ -68,11 +68,13 @@ def test_a_covering_budget_with_prefetch_gives_full_offloads_tokens():
     """Static steps select on every offloaded layer whatever the context (the captured
     shape's longest context exceeds the budget); a budget that covers every sequence then
     picks every page, a layer early or late, and the tokens are Full offload's. Without
-    late_fetch the layers read the prediction's pages (every page too) and load none."""
+    late_fetch the layers read the prediction's pages (every page too) and load none; with
+    reuse_pages as well, the prefetch loads only the pages a row's slots do not hold."""
     with LLM(**KW) as llm:
         want = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
-    for late_fetch in (True, False):
-        policy = QuestPolicy(budget_tokens=1024, dense_layers=2, prefetch=1, late_fetch=late_fetch)
+    for late_fetch, reuse_pages in ((True, False), (False, False), (False, True)):
+        policy = QuestPolicy(budget_tokens=1024, dense_layers=2, prefetch=1, late_fetch=late_fetch,
+                             reuse_pages=reuse_pages)
         with LLM(**KW, sparse_policy=policy) as llm:
             graphs = with_static_graphs(llm, max_batch=4)
             got = [o.token_ids for o in llm.generate(PROMPTS, PARAMS)]
@@ -81,6 +83,9 @@ def test_a_covering_budget_with_prefetch_gives_full_offloads_tokens():
         late = sum(stats["quest_pages_loaded_late"])
         early = sum(stats["quest_pages_loaded"]) - late
         assert early > 0 and (late < early if late_fetch else late == 0)
+        if not late_fetch:              # every page held is read again the next step
+            read = sum(stats["quest_pages_read"])
+            assert early < read / 4 if reuse_pages else early == read
         assert got == want
 
 

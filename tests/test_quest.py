@@ -211,10 +211,12 @@ def test_a_wrong_prediction_costs_loads_never_tokens(monkeypatch):
 def test_without_late_fetch_layers_read_the_predicted_pages_and_load_nothing_themselves(full_tokens):
     """late_fetch=False: each sparse layer reads the pages its early query chose a layer
     ahead (prefetch x budget of them) and neither selects nor loads any itself. A prediction
-    as wide as the context reads every page, and gives Full's tokens."""
-    def run(prefetch: float):
+    as wide as the context reads every page, and gives Full's tokens. With reuse_pages the
+    same pages are read, and only those a row's slots did not hold load."""
+    def run(prefetch: float, reuse_pages: bool = False):
         with LLM(**KW, offload=True, sparse_policy=QuestPolicy(
-                budget_tokens=128, dense_layers=2, prefetch=prefetch, late_fetch=False)) as llm:
+                budget_tokens=128, dense_layers=2, prefetch=prefetch, late_fetch=False,
+                reuse_pages=reuse_pages)) as llm:
             return llm.generate([LONG], GREEDY)[0].token_ids, llm.stats()
 
     for prefetch in (1, 8):
@@ -227,6 +229,11 @@ def test_without_late_fetch_layers_read_the_predicted_pages_and_load_nothing_the
         else:                           # 64 pages asked of a context of ~44 full pages
             assert all(p > 40 * r for p, r in zip(read[2:], rows[2:]))
             assert tokens == full_tokens[0]
+        assert stats["quest_pages_loaded"] == read
+        reused_tokens, reused = run(prefetch, reuse_pages=True)
+        assert reused_tokens == tokens and reused["quest_pages_read"] == read
+        loaded = reused["quest_pages_loaded"]
+        assert loaded[:2] == [0, 0] and all(0 < n < p for n, p in zip(loaded[2:], read[2:]))
     with pytest.raises(ValueError, match="late_fetch=False .* needs prefetch"):
         QuestPolicy(late_fetch=False)
 

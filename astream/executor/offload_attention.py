@@ -161,10 +161,10 @@ class OffloadAttention:
             self.engine.runtime.wait(event)
         q_dec = q if context.every_row else q.index_select(0, context.rows)
         pages, slot_list = None, None           # (k, v) on the device; the slot of each page
-        if predicted is not None:               # chosen a layer ahead, loaded in order
+        if predicted is not None:               # chosen and loaded a layer ahead
             chosen = predicted.chosen
             if predicted.k is not None:
-                pages = predicted.k, predicted.v
+                pages, slot_list = (predicted.k, predicted.v), predicted.slots
         else:
             chosen = self.policy.select_decode(layer, DecodeQuery(
                 q_dec, context.block_tables, context.context_lens, context.max_context, physical=True))

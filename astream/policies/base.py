@@ -135,8 +135,9 @@ class PrefetchedPages:
     """Pages a prefetch chose and loaded for a layer to read in place of its own selection."""
 
     chosen: PageSelection
-    k: Tensor | None                 # [B, KVH, >= P * page_size, D]: page p at p; None: not loaded
+    k: Tensor | None                 # [B, KVH, >= P * page_size, D]; None: not loaded
     v: Tensor | None
+    slots: Tensor | None = None      # [B, KVH, P] int32: the page slot page p sits in; None: p
 
 
 class HostPages(Protocol):

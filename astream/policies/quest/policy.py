@@ -29,7 +29,8 @@ attention reads, so the tokens are those of plain Quest. With `late_fetch=False`
 attention reads the prediction's pages (F x budget of them) and the layer neither selects
 nor loads anything itself: no load is left in a layer's path, and the pages read are the
 predicted query's choice, not the exact one, so the tokens may part from plain Quest's
-(their accuracy is measured in docs/BENCHMARKS.md). Either costs device memory, counted
+(their accuracy is measured in docs/BENCHMARKS.md); the prediction's pages load in the order
+chosen, or, with `reuse_pages`, only those a row's slots do not hold. Either costs device memory, counted
 when the engine plans it: per offloaded layer, two buffers of max_num_seqs x KV heads x
 max(1, F) x budget_tokens x head_dim.
 
@@ -247,13 +248,17 @@ class QuestRuntime(PolicyRuntime):
     def prefetch_pages(self, layer: int, query: DecodeQuery, pool: HostPages,
                        owners: Tensor) -> PrefetchedPages | None:
         """The predicted query's top `prefetch_pages` pages into the layer's page buffers.
-        Without `late_fetch` they are what the layer reads (and counts as read), loaded in
-        the order chosen: no reuse plan on the prefetch's path, which bounds the step."""
+        Without `late_fetch` they are what the layer reads (and counts as read): with
+        `reuse_pages` only those a row's slots do not hold load, else all of them, in the
+        order chosen, with no reuse plan on the prefetch's stream."""
         if self.policy.late_fetch:
             self._through_buffers(layer, self._select(layer, query, self.policy.prefetch_pages, None),
                                   pool, owners, EARLY)
             return None
         chosen = self._select(layer, query, self.policy.prefetch_pages, self.counters[layer])
+        if self.policy.reuse_pages:
+            reused = self._through_buffers(layer, chosen, pool, owners, EARLY)
+            return PrefetchedPages(chosen, *(reused or (None, None)))
         found = self._buffers(layer, chosen)
         if found is None:
             return PrefetchedPages(chosen, None, None)
