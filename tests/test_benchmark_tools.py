@@ -328,3 +328,25 @@ def test_page_gather_reads_the_same_attention_both_ways(page_size, tmp_path):
         assert row["info"]["ok"] and row["info"]["out_diff"] == 0 and row["info"]["lse_diff"] == 0
         assert row["figures"]["gathered_us"]["median"] > 0
         assert row["figures"]["in_place_us"]["median"] > 0
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_reuse_plan_checks_another_plan_against_this_trees(wrong, tmp_path):
+    """--against times another plan beside the tree's and fails the row where its plans
+    differ; on the CPU both are the torch reference, one of them spoiled on demand."""
+    import run
+    other = tmp_path / "other_plan.py"
+    other.write_text(
+        "from astream.policies.quest.page_reuse import plan_reuse_\n"
+        "def plan_reuse_triton(*args):\n"
+        "    page_list, load_to = plan_reuse_(*args)\n"
+        f"    return (page_list.flip(-1) if {wrong} else page_list), load_to\n")
+    out = tmp_path / "reuse_plan.json"
+    code = run.main(["reuse_plan", "--smoke", "--shapes", "1x2x16x24,2x1x8x8", "--against",
+                     str(other), "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert code == (1 if wrong else 0)
+    assert [row["params"]["width"] for row in rows] == [16, 8]
+    for row in rows:
+        assert row["info"]["same_plans"] is (not wrong)
+        assert row["figures"]["us"]["median"] > 0 and row["figures"]["other_us"]["median"] > 0
