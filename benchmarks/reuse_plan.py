@@ -63,17 +63,13 @@ def load_other(path: str):
     return module.plan_reuse_triton
 
 
-def this_tree(held, owner, want, counts, owners, loaded):
-    return plan_reuse_(held, owner, want, counts, owners, loaded)
-
-
 def plan_row(o, rows: int, heads: int, width: int, slots: int, other) -> dict:
     device = torch.device(o.device)
     gen = torch.Generator().manual_seed(rows * 1000 + width)
-    row = {"us": plan_us(this_tree, device, rows, heads, width, slots, o.plans, o.pages, gen)}
+    row = {"us": plan_us(plan_reuse_, device, rows, heads, width, slots, o.plans, o.pages, gen)}
     if other is not None:
         row["other_us"] = plan_us(other, device, rows, heads, width, slots, o.plans, o.pages, gen)
-        row["info"] = {"same_plans": same_plans(this_tree, other, device, rows, heads, width,
+        row["info"] = {"same_plans": same_plans(plan_reuse_, other, device, rows, heads, width,
                                                 slots, gen)}
         row["info"]["ok"] = row["info"]["same_plans"]
     return row
